@@ -1,0 +1,44 @@
+import os
+
+import pytest
+import torch
+
+# Two cores on CI: keep torch from oversubscribing them when tests run beside servers.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from tokenmill.model.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_model_path):
+    """HF transformers' own reading of the default GGUF, in float32: the numerical reference."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(default_model_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run every request to its max_new_tokens
+    return model
+
+
+@pytest.fixture(scope="session")
+def corpus_prompts():
+    """Real English text of varied length, cut from Python's own documentation."""
+    from pydoc_data.topics import topics
+
+    texts = [topics[k] for k in sorted(topics)]
+    return [t for t in texts if len(t) > 200]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for ids, n in zip(prompts, max_new_tokens):
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            out.append(gen[0, len(ids):].tolist())
+    return out

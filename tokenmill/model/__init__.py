@@ -1,0 +1,1 @@
+"""Model loading (GGUF, HF folders), layers, attention and the model runner."""

@@ -1,0 +1,68 @@
+"""Paged attention: K/V live in fixed-size blocks addressed through block tables.
+
+The cache of one layer is a flat tensor of slots `[num_blocks * block_size, kv_heads,
+head_dim]`; slot = block_id * block_size + offset. New K/V are scattered into their
+slots, then each query reads only its own request's slots. Decodes (one query token)
+are batched into one SDPA call over padded slot tables; prefill chunks run one SDPA
+call each. This plain-PyTorch path is used on CPU and CUDA alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    q_start: int  # first row in the flattened batch
+    q_len: int
+    ctx_len: int  # keys visible to the last query of the span
+    slots: torch.Tensor | None  # [ctx_len] slots to read, None when ctx_len == q_len (no cached prefix)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    num_decodes: int = 0  # the first num_decodes rows are single-token decodes
+    decode_slots: torch.Tensor | None = None  # [B, max_ctx]
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx], True where attended
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [S, KVH, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty_like(q)
+    b = meta.num_decodes
+    if b:
+        qd = q[:b].unsqueeze(2)  # [B, H, 1, D]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
+        out[:b] = od.squeeze(2)
+    for span in meta.prefills:
+        rows = slice(span.q_start, span.q_start + span.q_len)
+        qp = q[rows].transpose(0, 1)  # [H, n, D]
+        if span.slots is None:
+            kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
+        else:
+            kp = k_cache[span.slots].transpose(0, 1)
+            vp = v_cache[span.slots].transpose(0, 1)
+            offset = span.ctx_len - span.q_len
+            q_pos = torch.arange(span.q_len, device=q.device).unsqueeze(1) + offset
+            mask = torch.arange(span.ctx_len, device=q.device).unsqueeze(0) <= q_pos
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=gqa)
+        out[rows] = op.transpose(0, 1)
+    return out

@@ -1,0 +1,86 @@
+"""Executes one scheduled step: builds the flat batch, runs the model, returns logits.
+
+It owns the KV cache tensors and the mapping from block ids to cache slots; it makes
+no scheduling decisions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.model.attention import AttentionMetadata, PrefillSpan
+from tokenmill.model.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+        self._offsets = torch.arange(block_size, device=device)
+
+    @staticmethod
+    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run the chunks; returns the chunks that sample and their logits [R, V] (float32)."""
+        # Decodes (single-token chunks) first, so they form one batched attention call.
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
+        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        for c in ordered:
+            input_ids.extend(c.request.token_ids[c.start:c.end])
+            positions.extend(range(c.start, c.end))
+            slot_mapping.extend(self._slots(c.request.block_ids, c.start, c.end))
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev), num_decodes=len(decodes))
+        if decodes:
+            meta.decode_slots, meta.decode_mask = self._decode_tables(decodes)
+        row = len(decodes)
+        for c in prefills:
+            slots = None
+            if c.start > 0:
+                slots = torch.tensor(self._slots(c.request.block_ids, 0, c.end), device=dev)
+            meta.prefills.append(PrefillSpan(row, c.num_tokens, c.end, slots))
+            row += c.num_tokens
+        sampled, logit_rows, row = [], [], 0
+        for c in ordered:
+            row += c.num_tokens
+            if c.sample:
+                sampled.append(c)
+                logit_rows.append(row - 1)
+        logits = self.model(
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            self.kv_caches,
+            meta,
+            torch.tensor(logit_rows, device=dev, dtype=torch.long),
+        )
+        return sampled, logits
+
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        ctx = [c.end for c in decodes]
+        max_blocks = -(-max(ctx) // bs)
+        table = torch.tensor([c.request.block_ids[:max_blocks] + [0] * (max_blocks - len(c.request.block_ids[:max_blocks])) for c in decodes], device=self.device)
+        slots = (table.unsqueeze(-1) * bs + self._offsets).flatten(1)[:, : max(ctx)]
+        lens = torch.tensor(ctx, device=self.device).unsqueeze(1)
+        mask = torch.arange(slots.shape[1], device=self.device).unsqueeze(0) < lens
+        return slots, mask[:, None, None, :]
