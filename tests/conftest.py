@@ -26,6 +26,16 @@ def hf_default(default_model_path):
 
 
 @pytest.fixture(scope="session")
+def default_hf_dir(tmp_path_factory):
+    """The default model exported as a plain HF folder (float32 safetensors + tokenizer)."""
+    from tokenmill.model.export import export_hf
+    from tokenmill.model.loader import load_model
+
+    model, _, tokenizer = load_model(None, torch.float32)
+    return export_hf(model, tokenizer, str(tmp_path_factory.mktemp("smollm2-hf")))
+
+
+@pytest.fixture(scope="session")
 def corpus_prompts():
     """Real English text of varied length, cut from Python's own documentation."""
     from pydoc_data.topics import topics

@@ -42,26 +42,33 @@ def test_greedy_batch_matches_hf(llm32, hf_default, corpus_prompts):
     assert llm32.engine.pool.num_free == llm32.engine.pool.num_blocks
 
 
-def test_bf16_first_step_logits_match_reference(hf_default, corpus_prompts):
+def test_bf16_first_step_logits_match_reference(default_hf_dir, corpus_prompts):
+    from transformers import AutoModelForCausalLM
+
     from tokenmill.engine.request import Request
     from tokenmill.engine.scheduler import ScheduledChunk
 
     llm = LLM(dtype="bfloat16", device="cpu", kv_cache_memory="64MiB")
     eng = llm.engine
-    hf16 = hf_default.to(torch.bfloat16)
-    try:
-        ids = eng.tokenizer.encode(corpus_prompts[3])[:120]
-        req = Request("x", ids, 1, 0.0, block_ids=eng.pool.allocate(8))
+    hf16 = AutoModelForCausalLM.from_pretrained(default_hf_dir, dtype=torch.bfloat16).eval()
+    ids = eng.tokenizer.encode(corpus_prompts[3])[:120]
+    req = Request("x", ids, 1, 0.0, block_ids=eng.pool.allocate(8))
+    with torch.inference_mode():
         _, logits = eng.runner.execute([ScheduledChunk(req, 0, len(ids))])
-        with torch.no_grad():
-            ref = hf16(torch.tensor([ids])).logits[0, -1].float()
-        eng.pool.free_blocks(req.block_ids)
-    finally:
-        hf_default.to(torch.float32)
+        ref = hf16(torch.tensor([ids])).logits[0, -1].float()
+    eng.pool.free_blocks(req.block_ids)
     diff = (logits[0] - ref).abs()
     # bf16 has 8 bits of mantissa: allow a few ulps at the logits' scale.
     assert diff.max() < 0.05 * ref.abs().max(), (diff.max(), ref.abs().max())
     assert logits[0].argmax() == ref.argmax()
+
+
+def test_hf_folder_loads_the_same_model(default_hf_dir, llm32):
+    from_folder = LLM(model=default_hf_dir, dtype="float32", device="cpu", kv_cache_memory="64MiB")
+    params = SamplingParams(temperature=0, max_tokens=24)
+    msgs = [{"role": "user", "content": "Name three rivers."}]
+    assert from_folder.get_tokenizer().encode("Hello 123 wörld") == llm32.get_tokenizer().encode("Hello 123 wörld")
+    assert from_folder.chat(msgs, params)[0].outputs[0].token_ids == llm32.chat(msgs, params)[0].outputs[0].token_ids
 
 
 def test_chat_template_and_stop_on_end_of_turn(llm32):

@@ -32,10 +32,30 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export-hf", help="write a model (e.g. a GGUF) as an HF folder")
+    p.add_argument("out_dir")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from tokenmill.model.export import export_hf
+    from tokenmill.model.loader import load_model
+
+    model, _, tokenizer = load_model(args.model, getattr(torch, args.dtype))
+    print(export_hf(model, tokenizer, args.out_dir))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_export(sub)
     try:
         from tokenmill.server.cli import register as register_serve
     except ImportError:

@@ -3,7 +3,8 @@
 The cache of one layer is a flat tensor of slots `[num_blocks * block_size, kv_heads,
 head_dim]`; slot = block_id * block_size + offset. New K/V are scattered into their
 slots, then each query reads only its own request's slots. Decodes (one query token)
-are batched into one SDPA call over padded slot tables; prefill chunks run one SDPA
+are sorted by context length and batched into a few SDPA calls over padded slot
+tables (grouping similar lengths keeps padding small); prefill chunks run one SDPA
 call each. This plain-PyTorch path is used on CPU and CUDA alike.
 """
 
@@ -24,12 +25,26 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token queries of similar context length, attended in one padded call."""
+
+    q_start: int
+    count: int
+    slots: torch.Tensor  # [count, max_ctx]
+    mask: torch.Tensor  # [count, 1, 1, max_ctx], True where attended
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    num_decodes: int = 0  # the first num_decodes rows are single-token decodes
-    decode_slots: torch.Tensor | None = None  # [B, max_ctx]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx], True where attended
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # index_select on 2-D rows is about twice as fast as advanced indexing on CPU.
+    rows = cache.view(cache.shape[0], -1).index_select(0, slots.flatten())
+    return rows.view(*slots.shape, *cache.shape[1:])
 
 
 def paged_attention(
@@ -44,13 +59,13 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
-    b = meta.num_decodes
-    if b:
-        qd = q[:b].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
-        out[:b] = od.squeeze(2)
+    for g in meta.decodes:
+        rows = slice(g.q_start, g.q_start + g.count)
+        qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
+        kd = _gather(k_cache, g.slots).transpose(1, 2)  # [B, KVH, L, D]
+        vd = _gather(v_cache, g.slots).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, enable_gqa=gqa)
+        out[rows] = od.squeeze(2)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         qp = q[rows].transpose(0, 1)  # [H, n, D]
@@ -58,8 +73,8 @@ def paged_attention(
             kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
         else:
-            kp = k_cache[span.slots].transpose(0, 1)
-            vp = v_cache[span.slots].transpose(0, 1)
+            kp = _gather(k_cache, span.slots).transpose(0, 1)
+            vp = _gather(v_cache, span.slots).transpose(0, 1)
             offset = span.ctx_len - span.q_len
             q_pos = torch.arange(span.q_len, device=q.device).unsqueeze(1) + offset
             mask = torch.arange(span.ctx_len, device=q.device).unsqueeze(0) <= q_pos

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.model.attention import AttentionMetadata, PrefillSpan
+from tokenmill.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from tokenmill.model.llama import LlamaForCausalLM
 
 
@@ -38,8 +38,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run the chunks; returns the chunks that sample and their logits [R, V] (float32)."""
-        # Decodes (single-token chunks) first, so they form one batched attention call.
-        decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
+        # Decodes (single-token chunks) first, by context length, so they batch into a few calls.
+        decodes = sorted((c for c in chunks if c.num_tokens == 1 and c.start > 0), key=lambda c: c.end)
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -50,10 +50,12 @@ class ModelRunner:
             positions.extend(range(c.start, c.end))
             slot_mapping.extend(self._slots(c.request.block_ids, c.start, c.end))
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev), num_decodes=len(decodes))
-        if decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_tables(decodes)
-        row = len(decodes)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev))
+        row = 0
+        for group in _group_by_length(decodes):
+            slots, mask = self._decode_tables(group)
+            meta.decodes.append(DecodeGroup(row, len(group), slots, mask))
+            row += len(group)
         for c in prefills:
             slots = None
             if c.start > 0:
@@ -79,8 +81,25 @@ class ModelRunner:
         bs = self.block_size
         ctx = [c.end for c in decodes]
         max_blocks = -(-max(ctx) // bs)
-        table = torch.tensor([c.request.block_ids[:max_blocks] + [0] * (max_blocks - len(c.request.block_ids[:max_blocks])) for c in decodes], device=self.device)
+        table = torch.tensor(
+            [c.request.block_ids[:max_blocks] + [0] * (max_blocks - len(c.request.block_ids)) for c in decodes],
+            device=self.device,
+        )
         slots = (table.unsqueeze(-1) * bs + self._offsets).flatten(1)[:, : max(ctx)]
         lens = torch.tensor(ctx, device=self.device).unsqueeze(1)
         mask = torch.arange(slots.shape[1], device=self.device).unsqueeze(0) < lens
         return slots, mask[:, None, None, :]
+
+
+def _group_by_length(decodes: list[ScheduledChunk], min_group: int = 8, max_ratio: float = 1.5) -> list[list[ScheduledChunk]]:
+    """Split length-sorted decodes where padding to the group's longest would waste a lot.
+
+    Each extra group costs one attention call per layer, so small groups are merged.
+    """
+    groups: list[list[ScheduledChunk]] = []
+    for c in decodes:
+        if groups and (len(groups[-1]) < min_group or c.end <= max_ratio * groups[-1][0].end):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
