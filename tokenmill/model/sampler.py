@@ -39,12 +39,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
     if random_rows:
-        idx = torch.tensor(random_rows)
-        temps = torch.tensor([rows[i].temperature for i in random_rows]).unsqueeze(1)
-        probs = _filter(logits[idx] / temps, [rows[i] for i in random_rows]).softmax(dim=-1)
+        idx = torch.tensor(random_rows, device=logits.device)
+        temps = torch.tensor([rows[i].temperature for i in random_rows], device=logits.device).unsqueeze(1)
+        # Draws happen on the CPU so a seeded request gives the same tokens on any device.
+        probs = _filter(logits[idx] / temps, [rows[i] for i in random_rows]).softmax(dim=-1).cpu()
         for j, i in enumerate(random_rows):
             gen = rows[i].generator or default_generator
-            tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen)[0])
     out = []
     token_list = tokens.tolist()
     for i, row in enumerate(rows):
@@ -65,11 +66,12 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if all(r.top_k <= 0 and r.top_p >= 1.0 and r.min_p <= 0.0 for r in rows):
         return logits
     vocab = logits.shape[-1]
-    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows]).unsqueeze(1)
-    top_p = torch.tensor([r.top_p for r in rows]).unsqueeze(1)
-    min_p = torch.tensor([r.min_p for r in rows]).unsqueeze(1)
+    dev = logits.device
+    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=dev).unsqueeze(1)
+    top_p = torch.tensor([r.top_p for r in rows], device=dev).unsqueeze(1)
+    min_p = torch.tensor([r.min_p for r in rows], device=dev).unsqueeze(1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
     drop = ranks >= top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).

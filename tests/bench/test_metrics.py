@@ -1,0 +1,104 @@
+"""Metric definitions, bootstrap CIs, SLOs/goodput, Prometheus parsing, knee/capacity, compare."""
+
+import numpy as np
+import pytest
+
+from tokenmill.bench.compare import compare, diff_ci
+from tokenmill.bench.metrics import bootstrap, parse_slos, request_meets, summarize
+from tokenmill.bench.records import RequestRecord
+from tokenmill.bench.results import BenchResult, Stage
+from tokenmill.bench.scrape import parse_prometheus
+from tokenmill.bench.sweep import capacity, drift, find_knee
+
+
+def rec(i, send=0.0, ttft=0.1, itl=0.01, n=11, status=200, stage="s", intended=None):
+    chunks = [send + ttft + k * itl for k in range(n)]
+    return RequestRecord(index=i, stage=stage, intended_send=send if intended is None else intended, actual_send=send,
+                         first_token=chunks[0], chunk_times=chunks, end=chunks[-1], output_tokens=n, status=status)
+
+
+def test_vllm_definitions():
+    r = rec(0, send=1.0, ttft=0.2, itl=0.05, n=5, intended=0.9)
+    assert r.ttft == pytest.approx(0.2) and r.e2e == pytest.approx(0.4)
+    assert r.tpot == pytest.approx(0.05) and r.itls == pytest.approx([0.05] * 4)
+    assert r.ttft_intended == pytest.approx(0.3) and r.schedule_lag == pytest.approx(0.1)
+    assert rec(1, n=1).tpot is None
+
+
+def test_bootstrap_ci_brackets_truth():
+    x = np.random.default_rng(0).exponential(1.0, 5000)
+    b = bootstrap(x)
+    assert b["p50"]["lo"] < np.log(2) < b["p50"]["hi"]
+    assert b["mean"]["lo"] < 1.0 < b["mean"]["hi"]
+    assert b["p99"]["hi"] - b["p99"]["lo"] > b["p50"]["hi"] - b["p50"]["lo"]
+
+
+def test_slos_and_goodput():
+    slos = parse_slos("ttft_p99=150ms, tpot_p99=0.02s")
+    assert [str(s) for s in slos] == ["ttft_p99<=150ms", "tpot_p99<=20ms"]
+    with pytest.raises(ValueError, match="bad SLO"):
+        parse_slos("latency_p99=1s")
+    good = [rec(i, send=i * 0.1) for i in range(8)]
+    slow = [rec(8, send=0.8, ttft=0.5), rec(9, send=0.9, status=500)]
+    assert request_meets(good[0], slos) and not request_meets(slow[0], slos)
+    s = summarize(good + slow, slos, target_rate=10)
+    assert s["errors"] == {"500": 1} and s["error_rate"] == 0.1
+    assert s["goodput"] == pytest.approx(8 / s["duration_s"])
+    assert not s["slo_met"]  # ttft p99 over the limit, and 10% errors
+    assert s["metrics"]["tpot"]["p50"]["value"] == pytest.approx(0.01)
+    assert s["achieved_send_rate"] == pytest.approx(10)
+
+
+def test_prometheus_parsing_both_prefixes():
+    text = ('# HELP x\n# TYPE tokenmill:num_requests_running gauge\n'
+            'tokenmill:num_requests_running{model_name="m"} 3\n'
+            'vllm:num_requests_waiting{model_name="m",engine="0"} 2\n'
+            'vllm:num_requests_waiting{model_name="m",engine="1"} 5\n'
+            'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'
+            'vllm:e2e_request_latency_seconds_bucket{le="1"} 9\n'
+            'process_cpu_seconds_total 12\n')
+    assert parse_prometheus(text) == {"num_requests_running": 3, "num_requests_waiting": 7, "kv_cache_usage_perc": 0.5}
+
+
+def _stage(name, rate, tput, sat, e2e=0.05, waiting=0.0):
+    recs = [rec(i, send=i / rate, ttft=e2e / 2, itl=e2e / 20, n=11) for i in range(50)]
+    st = Stage(name, "open", target_rate=rate, records=recs, saturated=sat)
+    st.summary = summarize(recs, parse_slos("e2e_p99=200ms"), rate)
+    st.summary["request_throughput"] = tput
+    st.signals = {"num_requests_waiting": {"first": 0, "last": waiting, "mean": waiting, "max": waiting,
+                                           "slope_per_s": waiting}}
+    return st
+
+
+def test_knee_and_capacity_respect_headroom():
+    stages = [_stage("r10", 10, 10, False), _stage("r20", 20, 19.8, False), _stage("r40", 40, 36, False, 0.15),
+              _stage("r80", 80, 41, True, 0.9, waiting=20)]
+    knee = find_knee(stages, None)
+    assert knee["stage"] == "r40" and knee["found"] and knee["explanation"].startswith("queue growing")
+    cap = capacity(stages, knee, parse_slos("e2e_p99=200ms"), 0.35, target_peak=100)
+    assert cap["max_rate"] == 36 and cap["recommended_rate"] == pytest.approx(36 * 0.65)
+    assert cap["replicas"] == 5  # ceil(100 / 23.4)
+    cap2 = capacity(stages, knee, parse_slos("e2e_p99=100ms"), 0.35, None)
+    assert cap2["max_rate"] == 19.8  # r40 misses the tighter SLO
+
+
+def test_drift_detects_p99_creep():
+    recs = [rec(i, send=i * 0.1, ttft=0.05 + (0.5 if i > 150 else 0)) for i in range(200)]
+    st = Stage("soak", "open", target_rate=10, records=recs, t_start=0, t_end=20)
+    assert "P99 creep" in drift(st, [], 0.1)["verdict"]
+    flat = Stage("soak", "open", target_rate=10, records=[rec(i, send=i * 0.1) for i in range(200)], t_start=0, t_end=20)
+    series = [(t, {"kv_cache_usage_perc": t / 20}) for t in range(21)]
+    out = drift(flat, series, 0.1)
+    assert out["issues"] == ["KV usage growing: +90% over the soak"]
+
+
+def test_compare_verdicts():
+    rng = np.random.default_rng(0)
+    a = rng.normal(0.1, 0.01, 2000)
+    assert diff_ci(a, a * 0.8, "p50")["verdict"] == "better"
+    assert diff_ci(a, a * 1.2, "p99")["verdict"] == "worse"
+    assert diff_ci(a, rng.normal(0.1, 0.01, 2000), "mean")["verdict"] == "no significant change"
+    ra = BenchResult("run", stages=[Stage("run", "open", records=[rec(i, send=i * 0.1, ttft=0.1) for i in range(100)])])
+    rb = BenchResult("run", stages=[Stage("run", "open", records=[rec(i, send=i * 0.1, ttft=0.2) for i in range(100)])])
+    rows = {r["metric"]: r for r in compare(ra, rb)}
+    assert rows["ttft_p50"]["verdict"] == "worse" and rows["itl_p50"]["verdict"] == "no significant change"

@@ -1,0 +1,1 @@
+"""Load testing: workload-driven client, runner, sweep, capacity answers, reports, mock server."""
