@@ -22,6 +22,7 @@ class PrefillSpan:
     q_len: int
     ctx_len: int  # keys visible to the last query of the span
     slots: torch.Tensor | None  # [ctx_len] slots to read, None when ctx_len == q_len (no cached prefix)
+    mask: torch.Tensor | None = None  # [q_len, ctx_len] causal mask offset by the cached prefix
 
 
 @dataclass
@@ -68,16 +69,14 @@ def paged_attention(
         out[rows] = od.squeeze(2)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
-        qp = q[rows].transpose(0, 1)  # [H, n, D]
+        # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel.
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.slots is None:
-            kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
         else:
-            kp = _gather(k_cache, span.slots).transpose(0, 1)
-            vp = _gather(v_cache, span.slots).transpose(0, 1)
-            offset = span.ctx_len - span.q_len
-            q_pos = torch.arange(span.q_len, device=q.device).unsqueeze(1) + offset
-            mask = torch.arange(span.ctx_len, device=q.device).unsqueeze(0) <= q_pos
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=gqa)
-        out[rows] = op.transpose(0, 1)
+            kp = _gather(k_cache, span.slots).transpose(0, 1).unsqueeze(0)
+            vp = _gather(v_cache, span.slots).transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=gqa)
+        out[rows] = op[0].transpose(0, 1)
     return out

@@ -57,10 +57,12 @@ class ModelRunner:
             meta.decodes.append(DecodeGroup(row, len(group), slots, mask))
             row += len(group)
         for c in prefills:
-            slots = None
-            if c.start > 0:
-                slots = torch.tensor(self._slots(c.request.block_ids, 0, c.end), device=dev)
-            meta.prefills.append(PrefillSpan(row, c.num_tokens, c.end, slots))
+            span = PrefillSpan(row, c.num_tokens, c.end, None)
+            if c.start > 0:  # earlier tokens are in the cache: read them, mask causally from `start`
+                span.slots = torch.tensor(self._slots(c.request.block_ids, 0, c.end), device=dev)
+                q_pos = torch.arange(c.start, c.end, device=dev).unsqueeze(1)
+                span.mask = torch.arange(c.end, device=dev).unsqueeze(0) <= q_pos
+            meta.prefills.append(span)
             row += c.num_tokens
         sampled, logit_rows, row = [], [], 0
         for c in ordered:
