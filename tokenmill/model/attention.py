@@ -21,8 +21,8 @@ class PrefillSpan:
     q_start: int  # first row in the flattened batch
     q_len: int
     ctx_len: int  # keys visible to the last query of the span
-    slots: torch.Tensor | None  # [ctx_len] slots to read, None when ctx_len == q_len (no cached prefix)
-    mask: torch.Tensor | None = None  # [q_len, ctx_len] causal mask offset by the cached prefix
+    block_table: torch.Tensor | None  # [num_blocks] blocks to read; None when nothing is cached before it
+    mask: torch.Tensor | None = None  # [q_len, num_blocks * block_size] causal, offset by the cached prefix
 
 
 @dataclass
@@ -31,21 +31,26 @@ class DecodeGroup:
 
     q_start: int
     count: int
-    slots: torch.Tensor  # [count, max_ctx]
-    mask: torch.Tensor  # [count, 1, 1, max_ctx], True where attended
+    block_table: torch.Tensor  # [count, max_blocks]
+    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size], True where attended
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    block_size: int
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    # index_select on 2-D rows is about twice as fast as advanced indexing on CPU.
-    rows = cache.view(cache.shape[0], -1).index_select(0, slots.flatten())
-    return rows.view(*slots.shape, *cache.shape[1:])
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_blocks * block_size, KVH, D] keys or values.
+
+    Whole blocks are copied as contiguous rows with index_select, much faster on CPU
+    than gathering token by token or advanced indexing.
+    """
+    rows = cache.view(-1, block_size * cache.shape[1] * cache.shape[2]).index_select(0, block_table.flatten())
+    return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, *cache.shape[1:])
 
 
 def paged_attention(
@@ -63,20 +68,20 @@ def paged_attention(
     for g in meta.decodes:
         rows = slice(g.q_start, g.q_start + g.count)
         qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
-        kd = _gather(k_cache, g.slots).transpose(1, 2)  # [B, KVH, L, D]
-        vd = _gather(v_cache, g.slots).transpose(1, 2)
+        kd = _gather(k_cache, g.block_table, meta.block_size).transpose(1, 2)  # [B, KVH, L, D]
+        vd = _gather(v_cache, g.block_table, meta.block_size).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, enable_gqa=gqa)
         out[rows] = od.squeeze(2)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel.
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if span.slots is None:
+        if span.block_table is None:
             kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
         else:
-            kp = _gather(k_cache, span.slots).transpose(0, 1).unsqueeze(0)
-            vp = _gather(v_cache, span.slots).transpose(0, 1).unsqueeze(0)
+            kp = _gather(k_cache, span.block_table, meta.block_size).transpose(0, 1).unsqueeze(0)
+            vp = _gather(v_cache, span.block_table, meta.block_size).transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=gqa)
         out[rows] = op[0].transpose(0, 1)
     return out

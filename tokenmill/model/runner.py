@@ -24,7 +24,6 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
-        self._offsets = torch.arange(block_size, device=device)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -50,18 +49,19 @@ class ModelRunner:
             positions.extend(range(c.start, c.end))
             slot_mapping.extend(self._slots(c.request.block_ids, c.start, c.end))
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev), block_size=self.block_size)
         row = 0
         for group in _group_by_length(decodes):
-            slots, mask = self._decode_tables(group)
-            meta.decodes.append(DecodeGroup(row, len(group), slots, mask))
+            table, mask = self._decode_tables(group)
+            meta.decodes.append(DecodeGroup(row, len(group), table, mask))
             row += len(group)
         for c in prefills:
             span = PrefillSpan(row, c.num_tokens, c.end, None)
             if c.start > 0:  # earlier tokens are in the cache: read them, mask causally from `start`
-                span.slots = torch.tensor(self._slots(c.request.block_ids, 0, c.end), device=dev)
+                num_blocks = -(-c.end // self.block_size)
+                span.block_table = torch.tensor(c.request.block_ids[:num_blocks], device=dev)
                 q_pos = torch.arange(c.start, c.end, device=dev).unsqueeze(1)
-                span.mask = torch.arange(c.end, device=dev).unsqueeze(0) <= q_pos
+                span.mask = torch.arange(num_blocks * self.block_size, device=dev).unsqueeze(0) <= q_pos
             meta.prefills.append(span)
             row += c.num_tokens
         sampled, logit_rows, row = [], [], 0
@@ -83,15 +83,14 @@ class ModelRunner:
         bs = self.block_size
         ctx = [c.end for c in decodes]
         max_blocks = -(-max(ctx) // bs)
+        # Padding entries point at block 0; the mask hides whatever it holds.
         table = torch.tensor(
             [c.request.block_ids[:max_blocks] + [0] * (max_blocks - len(c.request.block_ids)) for c in decodes],
             device=self.device,
         )
-        slots = (table.unsqueeze(-1) * bs + self._offsets).flatten(1)[:, : max(ctx)]
         lens = torch.tensor(ctx, device=self.device).unsqueeze(1)
-        mask = torch.arange(slots.shape[1], device=self.device).unsqueeze(0) < lens
-        return slots, mask[:, None, None, :]
-
+        mask = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens
+        return table, mask[:, None, None, :]
 
 def _group_by_length(decodes: list[ScheduledChunk], min_group: int = 8, max_ratio: float = 1.5) -> list[list[ScheduledChunk]]:
     """Split length-sorted decodes where padding to the group's longest would waste a lot.
