@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tokenmill.bench.cli import register as register_bench
+from tokenmill.server.cli import register as register_serve
+
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete one prompt offline and print the completion")
@@ -56,18 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_export(sub)
-    try:
-        from tokenmill.server.cli import register as register_serve
-    except ImportError:
-        register_serve = None
-    if register_serve is not None:
-        register_serve(sub)
-    try:
-        from tokenmill.bench.cli import register as register_bench
-    except ImportError:
-        register_bench = None
-    if register_bench is not None:
-        register_bench(sub)
+    register_serve(sub)
+    register_bench(sub)
     return parser
 
 

@@ -3,6 +3,7 @@ incremental detokenization for streaming and stop strings."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -52,20 +53,26 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must have a string 'role' and a string 'content'")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-
-        def raise_exception(message: str):
-            raise ValueError(message)
-
-        env.globals["raise_exception"] = raise_exception
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         try:
-            return env.from_string(self.chat_template).render(
+            return _compile_template(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
             )
         except jinja2.UndefinedError as e:
             raise ValueError(f"chat template failed on these messages: {e}") from e
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    # Compiled once per template: a server applies it on every chat request.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+
+    def raise_exception(message: str):
+        raise ValueError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
 
 
 class IncrementalDetokenizer:

@@ -1,0 +1,179 @@
+"""Server vs offline engine: output tokens/s on the same workload, side by side.
+
+    .venv/bin/python benchmarks/bench_server.py [--num-requests 64] [--length-scale 1.0] [--concurrency 16]
+                                                [--repeats 1]
+
+Workload: tokenmill.workload's `chat-cpu` preset (64 requests, prompt ~256, output ~128
+tokens, ignore_eos) when available, else 64 fixed prompts cut from pydoc_data.topics
+(256 prompt tokens, 128 output tokens). Both sides get identical prompt token ids,
+greedy, exact output lengths, and keep `concurrency` requests in flight (closed loop):
+- offline: LLMEngine in this process, refilled as requests finish
+- server: `python -m tokenmill.server` subprocess, streaming SSE over HTTP with httpx
+They run one after the other, never at once. Prints one JSON line per side and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+ENGINE_FLAGS = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory": "512MiB"}
+
+
+def workload(tokenizer, num_requests: int, length_scale: float) -> tuple[str, list[list[int]], list[int]]:
+    try:
+        from tokenmill.workload import materialize, preset
+
+        reqs = materialize(preset("chat-cpu", num_requests=num_requests, length_scale=length_scale), tokenizer)
+        return "chat-cpu", [r.prompt_ids for r in reqs], [r.output_tokens for r in reqs]
+    except ImportError:
+        from pydoc_data.topics import topics
+
+        text = " ".join(topics[k] for k in sorted(topics))
+        ids = tokenizer.encode(text)
+        p, o = int(256 * length_scale), int(128 * length_scale)
+        prompts = [ids[i * p:(i + 1) * p] for i in range(num_requests)]
+        return "pydoc-fixed", prompts, [o] * num_requests
+
+
+def run_offline(prompts, outputs, concurrency: int) -> dict:
+    from tokenmill import SamplingParams
+    from tokenmill.llm_engine import EngineArgs, LLMEngine
+
+    eng = LLMEngine(EngineArgs(**ENGINE_FLAGS))
+    todo = list(range(len(prompts)))[::-1]
+    done_tokens, inflight = 0, 0
+    t0 = time.perf_counter()
+    while todo or inflight:
+        while todo and inflight < concurrency:
+            i = todo.pop()
+            eng.add_request(prompts[i], SamplingParams(max_tokens=outputs[i], temperature=0.0, ignore_eos=True))
+            inflight += 1
+        for out in eng.step():
+            if out.finished:
+                inflight -= 1
+                done_tokens += len(out.outputs[0].token_ids)
+    wall = time.perf_counter() - t0
+    return {"side": "offline", "output_tokens": done_tokens, "wall_s": round(wall, 2),
+            "output_tok_s": round(done_tokens / wall, 1)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _stream_one(client: httpx.AsyncClient, prompt: list[int], n: int) -> tuple[int, float]:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    usage, first = 0, None
+    t0 = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            # Decode JSON only where needed: the client shares the CPUs with the server.
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if first is None:
+                first = time.perf_counter() - t0
+            if '"usage":{' in line:
+                usage = json.loads(line[6:])["usage"]["completion_tokens"]
+    return usage, first or 0.0
+
+
+async def _drive(url: str, prompts, outputs, concurrency: int) -> tuple[int, float, list[float]]:
+    queue = list(range(len(prompts)))[::-1]
+    total, ttfts = 0, []
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency)) as c:
+        async def worker():
+            nonlocal total
+            while queue:
+                i = queue.pop()
+                n, ttft = await _stream_one(c, prompts[i], outputs[i])
+                total += n
+                ttfts.append(ttft)
+
+        t0 = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), 1800)
+        return total, time.perf_counter() - t0, ttfts
+
+
+def run_server(prompts, outputs, concurrency: int) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tokenmill.server", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", "--dtype", ENGINE_FLAGS["dtype"], "--max-model-len",
+           str(ENGINE_FLAGS["max_model_len"]), "--kv-cache-memory", ENGINE_FLAGS["kv_cache_memory"]]
+    proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        end = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("server did not start")
+            time.sleep(0.25)
+        total, wall, ttfts = asyncio.run(_drive(url, prompts, outputs, concurrency))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    ttfts.sort()
+    return {"side": "server", "output_tokens": total, "wall_s": round(wall, 2),
+            "output_tok_s": round(total / wall, 1), "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--length-scale", type=float, default=1.0)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1, help="alternate offline/server runs; best of each is kept")
+    ap.add_argument("--server-only", action="store_true", help="skip the offline side (for A/B of server changes)")
+    args = ap.parse_args()
+
+    from tokenmill.model.tokenizer import load_tokenizer
+
+    name, prompts, outputs = workload(load_tokenizer(), args.num_requests, args.length_scale)
+    print(json.dumps({"workload": name, "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                      "output_tokens": sum(outputs), "concurrency": args.concurrency}), flush=True)
+    # The server freezes its startup objects out of the GC (cli.py); do the same here so
+    # both sides run the same engine under the same collector settings.
+    gc.collect()
+    gc.freeze()
+    offs, srvs = [], []
+    for _ in range(args.repeats):  # alternate, so drift in machine load hits both sides alike
+        if not args.server_only:
+            offs.append(run_offline(prompts, outputs, args.concurrency))
+            print(json.dumps(offs[-1]), flush=True)
+        gc.collect()
+        srvs.append(run_server(prompts, outputs, args.concurrency))
+        print(json.dumps(srvs[-1]), flush=True)
+    srv = max(srvs, key=lambda r: r["output_tok_s"])
+    if not offs:
+        return 0
+    off = max(offs, key=lambda r: r["output_tok_s"])
+    ratio = srv["output_tok_s"] / off["output_tok_s"]
+    print(f"\n{'side':<8} {'out tok/s':>10} {'wall s':>8}\n{'offline':<8} {off['output_tok_s']:>10} "
+          f"{off['wall_s']:>8}\n{'server':<8} {srv['output_tok_s']:>10} {srv['wall_s']:>8}\n"
+          f"server / offline = {ratio:.1%} (target >= 90%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
