@@ -26,7 +26,7 @@ import time
 
 import httpx
 
-ENGINE_FLAGS = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory": "512MiB"}
+ENGINE_FLAGS = {"dtype": "bfloat16", "max_model_len": 2048, "kv_cache_memory": "512MiB"}
 
 
 def workload(tokenizer, num_requests: int, length_scale: float) -> tuple[str, list[list[int]], list[int]]:
