@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -116,7 +115,6 @@ def bench_batch1(llm: LLM, hf, prompt, n=128) -> dict:
 
 def bench_prefix_ttft(dtype: str, system_ids, users, on: bool) -> dict:
     llm = LLM(dtype=dtype, device="cpu", enable_prefix_caching=on)
-    eng = llm.engine
     ttfts = []
     for u in users:  # one at a time: TTFT without queueing
         out = llm.generate([system_ids + u], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -17,7 +16,7 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.model.loader import load_model
 from tokenmill.model.runner import ModelRunner
 from tokenmill.model.sampler import SamplingRow, sample
-from tokenmill.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.model.tokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils import available_memory_bytes, format_bytes, parse_bytes

@@ -75,7 +75,6 @@ def test_greedy_matches_hf(tmp_path, arch):
 
 
 def test_unsupported_architecture_and_fields_are_refused(tmp_path):
-    import json
 
     from tokenmill.model.config import ModelConfig
 

@@ -9,7 +9,7 @@ bursts work identically for constant, Poisson and gamma gaps.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
