@@ -4,6 +4,7 @@ one stepping in the main thread? Small chat-cpu subset (24 requests, lengths x0.
     .venv/bin/python benchmarks/bench_engine_thread.py main         # load + step in main
     .venv/bin/python benchmarks/bench_engine_thread.py load-main    # load in main, step in a thread
     .venv/bin/python benchmarks/bench_engine_thread.py load-thread  # load + step in a thread
+    .venv/bin/python benchmarks/bench_engine_thread.py load-other   # load in thread A, step in thread B
 """
 
 import sys
@@ -43,8 +44,16 @@ def main() -> None:
         worker = threading.Thread(target=lambda: result.setdefault("s", run(build())))
         worker.start()
         worker.join()
+    elif mode == "load-other":
+        loaded: dict[str, LLMEngine] = {}
+        loader = threading.Thread(target=lambda: loaded.setdefault("engine", build()))
+        loader.start()
+        loader.join()
+        worker = threading.Thread(target=lambda: result.setdefault("s", run(loaded["engine"])))
+        worker.start()
+        worker.join()
     else:
-        raise SystemExit(f"mode must be main, load-main or load-thread, got {mode!r}")
+        raise SystemExit(f"mode must be main, load-main, load-thread or load-other, got {mode!r}")
     print(f"{mode}: {result['s']:.2f} s")
 
 

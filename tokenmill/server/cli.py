@@ -60,7 +60,7 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.llm_engine import EngineArgs, LLMEngine
+    from tokenmill.llm_engine import EngineArgs
     from tokenmill.server.app import create_app
     from tokenmill.server.config import ServerConfig
     from tokenmill.server.runner import serve
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             max_queued_tokens=args.max_queued_tokens, rate_limit_rps=args.rate_limit_rps,
             rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_body_bytes, log_level=args.log_level,
         )
-        engine = LLMEngine(EngineArgs(
+        engine = _load_off_main_thread(EngineArgs(
             model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_memory=_kv_memory(args.kv_cache_memory),
@@ -94,6 +94,32 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     return serve(create_app(engine, config, names), config)
+
+
+def _load_off_main_thread(engine_args):
+    """Build the engine in a short-lived thread so the main thread never runs torch ops.
+
+    Once the main thread has used PyTorch's CPU thread pool, steps run by the engine
+    thread were ~25% slower (benchmarks/bench_engine_thread.py: load-main vs load-other).
+    """
+    import threading
+
+    from tokenmill.llm_engine import LLMEngine
+
+    result: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            result["engine"] = LLMEngine(engine_args)
+        except BaseException as e:  # re-raised on the main thread
+            result["error"] = e
+
+    loader = threading.Thread(target=load, name="tokenmill-load")
+    loader.start()
+    loader.join()
+    if "error" in result:
+        raise result["error"]
+    return result["engine"]
 
 
 def model_names(model: str | None, served: str | None) -> list[str]:
