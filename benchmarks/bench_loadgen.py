@@ -15,6 +15,7 @@ import json
 import sys
 import time
 
+from tokenmill.bench.loop import run_async
 from tokenmill.bench.metrics import summarize
 from tokenmill.bench.mock_server import spawn_mock
 from tokenmill.bench.runner import Runner, Target
@@ -41,7 +42,7 @@ def main() -> int:
             finally:
                 await r.aclose()
         t = time.perf_counter()
-        recs = asyncio.run(go())
+        recs = run_async(go())
         wall = time.perf_counter() - t
     s = summarize(recs, target_rate=args.rate)
     lag = s["schedule_lag"]

@@ -86,7 +86,13 @@ def _spec(args):
 def _progress(enabled: bool):
     if not enabled:
         return None, None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("errors: {task.fields[errors]}"), transient=False)
@@ -103,6 +109,7 @@ def _progress(enabled: bool):
 
 
 def _execute(args, kind: str) -> int:
+    from tokenmill.bench.loop import run_async
     from tokenmill.bench.metrics import parse_slos
     from tokenmill.bench.report import console, write_csv, write_html
     from tokenmill.bench.results import BenchResult
@@ -160,7 +167,7 @@ def _execute(args, kind: str) -> int:
     try:
         if prog:
             prog.start()
-        asyncio.run(main())
+        run_async(main())
     except KeyboardInterrupt:
         result.interrupted = True
         rc = 130

@@ -40,20 +40,13 @@ class Response:
         self._keep = headers.get("connection", "").lower() != "close" and (self._chunked or self._remaining is not None)
 
     async def iter_raw(self):
-        """Body bytes as they arrive (de-chunked)."""
+        """Body bytes as they arrive (de-chunked): one piece per network read, so a read that
+        holds several SSE events costs one wake-up of the reading task, not one per event."""
         r = self._conn.reader
         try:
             if self._chunked:
-                while True:
-                    size_line = await r.readline()
-                    if not size_line:
-                        raise HTTPError("connection closed mid-body")
-                    size = int(size_line.split(b";")[0].strip() or b"0", 16)
-                    if size == 0:
-                        await r.readline()  # trailing CRLF (no trailers expected)
-                        break
-                    data = await r.readexactly(size + 2)
-                    yield data[:-2]
+                async for data in self._dechunk(r):
+                    yield data
             elif self._remaining is not None:
                 while self._remaining > 0:
                     data = await r.read(min(self._remaining, 65536))
@@ -65,12 +58,46 @@ class Response:
                 while data := await r.read(65536):
                     yield data
             self._done = True
-        except asyncio.IncompleteReadError:
-            raise HTTPError("connection closed mid-body") from None
-        except ValueError as e:
-            raise HTTPError(f"bad chunked encoding: {e}") from None
         finally:
             self.release()
+
+    async def _dechunk(self, r: asyncio.StreamReader):
+        buf = b""
+        while True:
+            pieces, pos, last = [], 0, False
+            while (eol := buf.find(b"\r\n", pos)) >= 0:
+                try:
+                    size = int(buf[pos:eol].split(b";")[0].strip(), 16)
+                except ValueError:
+                    size = -1
+                if size < 0:
+                    raise HTTPError(f"bad chunked encoding: size line {buf[pos:eol][:40]!r}")
+                if size == 0:  # last chunk, then optional trailer lines, then an empty line
+                    blank = buf.find(b"\r\n\r\n", eol)  # at eol itself when there are no trailers
+                    if blank < 0:
+                        break
+                    last, pos = True, blank + 4
+                    break
+                start, end = eol + 2, eol + 2 + size
+                if len(buf) < end + 2:
+                    break
+                if buf[end:end + 2] != b"\r\n":
+                    raise HTTPError("bad chunked encoding: no CRLF after a chunk")
+                pieces.append(buf[start:end])
+                pos = end + 2
+            buf = buf[pos:]
+            if pieces:
+                yield b"".join(pieces)
+            if last:
+                if buf:  # bytes after the body: the connection's state is unknown, do not reuse it
+                    self._keep = False
+                return
+            if len(buf) > 1 << 24:
+                raise HTTPError("bad chunked encoding: chunk over 16 MiB")
+            data = await r.read(65536)
+            if not data:
+                raise HTTPError("connection closed mid-body")
+            buf += data
 
     async def iter_lines(self):
         buf = b""

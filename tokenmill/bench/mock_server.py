@@ -26,6 +26,8 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, fields
 
+from tokenmill.bench.loop import run_async
+
 WORDS = [" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", " and"]
 
 
@@ -289,7 +291,7 @@ def serve(args: argparse.Namespace) -> int:
         await server.serve_forever()
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_main())
+        run_async(_main())
     return 0
 
 
