@@ -56,8 +56,10 @@ def test_prometheus_parsing_both_prefixes():
             'vllm:num_requests_waiting{model_name="m",engine="1"} 5\n'
             'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'
             'vllm:e2e_request_latency_seconds_bucket{le="1"} 9\n'
-            'process_cpu_seconds_total 12\n')
-    assert parse_prometheus(text) == {"num_requests_running": 3, "num_requests_waiting": 7, "kv_cache_usage_perc": 0.5}
+            'process_cpu_seconds_total 12\n'
+            'process_resident_memory_bytes 1.5e+09\n')
+    assert parse_prometheus(text) == {"num_requests_running": 3, "num_requests_waiting": 7, "kv_cache_usage_perc": 0.5,
+                                      "process_resident_memory_bytes": 1.5e9}
 
 
 def _stage(name, rate, tput, sat, e2e=0.05, waiting=0.0):
@@ -90,6 +92,18 @@ def test_drift_detects_p99_creep():
     series = [(t, {"kv_cache_usage_perc": t / 20}) for t in range(21)]
     out = drift(flat, series, 0.1)
     assert out["issues"] == ["KV usage growing: +90% over the soak"]
+
+
+def test_drift_flags_steady_memory_growth_not_noise():
+    flat = Stage("soak", "open", target_rate=10, records=[rec(i, send=i * 0.1) for i in range(200)], t_start=0, t_end=20)
+    mib = 2**20
+    leak = [(t, {"process_resident_memory_bytes": 1000 * mib + t * 10 * mib}) for t in range(21)]
+    assert drift(flat, leak, 0.1)["issues"] == ["server memory growing: +180 MiB over the soak (from 1020 MiB)"]
+    # Growth under 10% of the process (here +50 MiB on 1 GiB), or a one-off step, is not a leak.
+    small = [(t, {"process_resident_memory_bytes": 1000 * mib + t * 2.5 * mib}) for t in range(21)]
+    step = [(t, {"process_resident_memory_bytes": (1000 + (30 if t > 10 else 0)) * mib}) for t in range(21)]
+    assert drift(flat, small, 0.1)["verdict"] == "stable"
+    assert drift(flat, step, 0.1)["verdict"] == "stable"
 
 
 def test_compare_verdicts():

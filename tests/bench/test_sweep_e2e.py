@@ -56,7 +56,7 @@ def test_outputs_json_csv_html(sweep):
     rec = d["stages"][1]["records"][0]
     assert {"intended_send", "actual_send", "first_token", "chunk_times", "end", "status"} <= set(rec)
     assert all(r["output_tokens"] == OUT for s in d["stages"] for r in s["records"] if r["status"] == 200)
-    assert d["server_series"] and "num_requests_running" in d["server_series"][0]
+    assert d["server_series"] and {"num_requests_running", "process_resident_memory_bytes"} <= set(d["server_series"][0])
     with open(sweep / "s.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == n_records and float(rows[0]["ttft"]) > 0

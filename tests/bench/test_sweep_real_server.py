@@ -36,4 +36,5 @@ def test_sweep_against_tokenmill_serve(tmp_path):
     # The scrape found tokenmill's own metrics.
     series = result["server_series"]
     assert any(p.get("kv_cache_blocks_total", 0) > 0 for p in series)
+    assert all(p["process_resident_memory_bytes"] > 100 * 2**20 for p in series)  # the model alone is bigger
     assert max(p.get("generation_tokens_total", 0) for p in series) >= 8 * len(ok) * 0.5

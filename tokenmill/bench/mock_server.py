@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -269,7 +270,18 @@ class MockServer:
         out = []
         for name, kind, v in rows:
             out += [f"# TYPE tokenmill:{name} {kind}", f"tokenmill:{name}{lab} {v}"]
+        rss = _resident_bytes()
+        if rss is not None:  # unprefixed, as prometheus_client's process collector names it
+            out += ["# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {rss}"]
         return "\n".join(out) + "\n"
+
+
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux
 
 
 # ---- running it -----------------------------------------------------------------------

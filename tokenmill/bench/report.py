@@ -126,13 +126,15 @@ def _figures(result: BenchResult) -> list[tuple[str, str]]:
 
     if result.server_series:
         names = sorted({k for _, v in result.server_series for k in v
-                        if k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")})
+                        if k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                                 "process_resident_memory_bytes")})
         if names:
             fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.2 * len(names)), sharex=True, squeeze=False)
             for ax, name in zip(axes[:, 0], names):
-                pts = [(t, v[name]) for t, v in result.server_series if name in v]
+                scale, label = (2**20, name[:-len("bytes")] + "MiB") if name.endswith("_bytes") else (1, name)
+                pts = [(t, v[name] / scale) for t, v in result.server_series if name in v]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts])
-                ax.set_ylabel(name, fontsize=8)
+                ax.set_ylabel(label, fontsize=8)
                 for st in result.stages:
                     ax.axvspan(st.t_start, st.t_end, alpha=0.05)
             axes[-1, 0].set_xlabel("time (s)")

@@ -2,6 +2,7 @@
 
 Both `tokenmill:` and `vllm:` names are read and normalized to the bare name
 (e.g. num_requests_waiting); vLLM's older gpu_cache_usage_perc maps to kv_cache_usage_perc.
+Of the unprefixed names, only the standard process_resident_memory_bytes is kept.
 Histogram buckets are skipped; samples with several label sets are summed.
 """
 
@@ -14,6 +15,7 @@ import time
 from tokenmill.bench.http import HTTPClient
 
 PREFIXES = ("tokenmill:", "vllm:")
+UNPREFIXED = ("process_resident_memory_bytes",)  # from prometheus_client's process collector
 ALIASES = {"gpu_cache_usage_perc": "kv_cache_usage_perc", "cpu_cache_usage_perc": "cpu_kv_cache_usage_perc"}
 
 
@@ -27,7 +29,7 @@ def parse_prometheus(text: str) -> dict[str, float]:
         if not m:
             continue  # comments, blanks
         name = m.group(1)
-        prefix = next((p for p in PREFIXES if name.startswith(p)), None)
+        prefix = "" if name in UNPREFIXED else next((p for p in PREFIXES if name.startswith(p)), None)
         if prefix is None or name.endswith("_bucket"):
             continue
         try:

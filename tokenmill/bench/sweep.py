@@ -229,6 +229,19 @@ def _meets(st: Stage, slos: list[SLO]) -> bool:
     return st.summary["error_rate"] <= 0.01
 
 
+MEMORY_GROWTH_MIN_BYTES = 64 * 2**20
+MEMORY_GROWTH_FRACTION = 0.10
+
+
+def _growth(series: list[tuple[float, dict]], name: str, t0: float) -> tuple[float, float] | None:
+    """(growth over the window from a least-squares line, first value) of one metric after t0."""
+    pts = [(t, v[name]) for t, v in series if t >= t0 and name in v]
+    if len(pts) < 3:
+        return None
+    slope = float(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0])
+    return slope * (pts[-1][0] - pts[0][0]), pts[0][1]
+
+
 def drift(st: Stage, series: list[tuple[float, dict]], warmup_fraction: float, windows: int = 5) -> dict:
     """Compare the soak's early and late windows (after warm-up) for creeping latency,
     growing KV/memory use and rising errors."""
@@ -251,11 +264,13 @@ def drift(st: Stage, series: list[tuple[float, dict]], warmup_fraction: float, w
         issues.append(f"P99 creep: e2e p99 {first['e2e_p99'] * 1000:.0f}ms -> {last['e2e_p99'] * 1000:.0f}ms")
     if last["error_rate"] > first["error_rate"] + 0.02:
         issues.append(f"rising errors: {first['error_rate']:.1%} -> {last['error_rate']:.1%}")
-    kv = [(t, v["kv_cache_usage_perc"]) for t, v in series if t >= t0 and "kv_cache_usage_perc" in v]
-    if len(kv) >= 3:
-        slope = float(np.polyfit([p[0] for p in kv], [p[1] for p in kv], 1)[0])
-        growth = slope * (kv[-1][0] - kv[0][0])
-        if growth > 0.2:
-            issues.append(f"KV usage growing: +{growth:.0%} over the soak")
+    kv = _growth(series, "kv_cache_usage_perc", t0)
+    if kv is not None and kv[0] > 0.2:
+        issues.append(f"KV usage growing: +{kv[0]:.0%} over the soak")
+    mem = _growth(series, "process_resident_memory_bytes", t0)
+    # Allocators and caches settle in steps; only steady growth past both bounds is a leak.
+    if mem is not None and mem[0] > max(MEMORY_GROWTH_MIN_BYTES, MEMORY_GROWTH_FRACTION * mem[1]):
+        issues.append(f"server memory growing: +{mem[0] / 2**20:.0f} MiB over the soak "
+                      f"(from {mem[1] / 2**20:.0f} MiB)")
     return {"rate": st.target_rate, "windows": rows, "issues": issues,
             "verdict": "stable" if not issues else "drift: " + "; ".join(issues)}
