@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from tokenmill.workload import (
-    ApproxTokenizer, WorkloadSpec, load_workload, materialize, preset, sample_requests,
+    ApproxTokenizer,
+    WorkloadSpec,
+    load_workload,
+    materialize,
+    preset,
+    sample_requests,
 )
 
 
