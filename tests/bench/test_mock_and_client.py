@@ -59,6 +59,33 @@ def test_non_streaming_and_token_ids(mock_url):
     assert all(r.prompt_tokens == r.planned_prompt_tokens for r in recs)  # ids counted one each
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_later_turns_carry_the_servers_real_replies(mock_url, endpoint):
+    """The mock counts one token per prompt byte and answers with WORDS in order, so each
+    turn's usage.prompt_tokens tells exactly what conversation the client sent."""
+    from tokenmill.bench.mock_server import WORDS
+
+    spec = WorkloadSpec.from_dict({"num_requests": 9, "prompt_tokens": 30, "output_tokens": 5,
+                                   "sessions": {"turns": 3, "think_time_s": 0.05},
+                                   "arrival": {"process": "poisson", "rate": 20}})
+    reqs = materialize(spec)
+    recs = _run(mock_url, reqs, endpoint=endpoint)
+    assert all(r.ok for r in recs) and len(recs) == 9
+    reply = "".join(WORDS[:5])
+    by_index = {r.spec.index: r for r in reqs}
+    sent = {}  # request index -> bytes of the conversation it sent
+    for req, rec in sorted(zip(reqs, recs), key=lambda p: p[0].spec.turn):
+        if req.spec.turn == 0:
+            sent[req.spec.index] = len(req.prompt.encode())
+        else:
+            parent = by_index[req.spec.parent]
+            sent[req.spec.index] = sent[parent.spec.index] + len(reply.encode()) + len(req.turn_text.encode())
+            # the planned stand-in reply is corpus text, not the mock's words
+            assert sent[req.spec.index] != len(req.prompt.encode())
+        assert rec.prompt_tokens == sent[req.spec.index] and rec.prompt_tokens_source == "usage"
+    assert sum(r.spec.turn > 0 for r in reqs) >= 3
+
+
 def test_injected_errors_are_recorded():
     with spawn_mock(ttft_ms=1, itl_ms=1, error_rate=1.0, error_status=503) as url:
         recs = _run(url, _reqs(n=5, rate=50))

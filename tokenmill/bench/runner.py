@@ -50,6 +50,9 @@ class Runner:
         self.records: list[RequestRecord] = []
         self.on_done = on_done
         self.path = "/v1/chat/completions" if target.endpoint == "chat" else "/v1/completions"
+        # Multi-turn sessions: request index -> the conversation so far, ending with the
+        # server's real reply; the next turn extends it, then drops it.
+        self._history: dict[int, list[dict] | str] = {}
         if target.endpoint not in ("chat", "completions"):
             raise BenchError(f"endpoint must be completions or chat, got {target.endpoint!r}")
 
@@ -76,8 +79,20 @@ class Runner:
         await self.client.aclose()
 
     # ---- one request ----------------------------------------------------------------
-    def _body(self, req: Request) -> bytes:
+    def _conversation(self, req: Request) -> list[dict] | str:
+        """Chat messages or prompt text this request sends: its planned prompt, or for a later
+        turn of a session, the conversation so far with the server's real replies plus the
+        turn's new text (the planned stand-in reply only when the previous turn failed)."""
+        prev = self._history.pop(req.spec.parent, None) if req.spec.parent >= 0 else None
+        if self.target.endpoint == "chat":
+            if prev is None:
+                return [{"role": "user", "content": req.prompt}]
+            return [*prev, {"role": "user", "content": req.turn_text}]
+        return req.prompt if prev is None else prev + req.turn_text
+
+    def _body(self, req: Request, conversation: list[dict] | str | None = None) -> bytes:
         t = self.target
+        conv = self._conversation(req) if conversation is None else conversation
         d: dict[str, Any] = {"model": t.model, "max_tokens": req.output_tokens, "temperature": 0.0,
                              "stream": t.stream}
         if t.ignore_eos:
@@ -85,9 +100,10 @@ class Runner:
         if t.stream:
             d["stream_options"] = {"include_usage": True}
         if t.endpoint == "chat":
-            d["messages"] = [{"role": "user", "content": req.prompt}]
+            d["messages"] = conv
         else:
-            d["prompt"] = req.prompt_ids if t.send_token_ids else req.prompt
+            # Token ids only for single-shot prompts: a real reply exists only as text.
+            d["prompt"] = req.prompt_ids if t.send_token_ids and req.spec.session < 0 else conv
         return json.dumps(d).encode()
 
     def _record(self, req: Request, stage: str, intended: float) -> RequestRecord:
@@ -101,6 +117,10 @@ class Runner:
     async def send(self, req: Request, rec: RequestRecord, body: bytes | None = None) -> None:
         rec.actual_send = self.now()
         texts: list[str] = []
+        conv = None
+        if req.spec.session >= 0:  # built now: a later turn needs the previous turn's reply
+            conv = self._conversation(req)
+            body = self._body(req, conv)
         try:
             async with asyncio.timeout(self.target.timeout_s):
                 resp = await self.client.request("POST", self.path, body or self._body(req),
@@ -129,6 +149,10 @@ class Runner:
             raise
         finally:
             rec.end = self.now()
+            if conv is not None and rec.ok:
+                reply = "".join(texts)
+                self._history[req.spec.index] = (
+                    [*conv, {"role": "assistant", "content": reply}] if isinstance(conv, list) else conv + reply)
             if not rec.prompt_tokens_source:
                 rec.prompt_tokens = len(req.prompt_ids)
                 rec.prompt_tokens_source = f"tokenizer:{req.tokenizer_source}"
@@ -190,6 +214,7 @@ class Runner:
     async def open_loop(self, reqs: list[Request], stage: str = "run",
                         max_concurrency: int | None = None) -> list[RequestRecord]:
         """Send each request at its arrival time (relative to now); returns when all finished."""
+        self._history.clear()  # indices restart with each stage's requests
         bodies = [self._body(r) for r in reqs]  # serialize up front: keeps dispatch cheap
         base = self.now()  # after serializing, which takes tens of ms for thousands of requests
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -242,6 +267,7 @@ class Runner:
     async def closed_loop(self, reqs: list[Request], concurrency: int, stage: str = "run",
                           duration_s: float | None = None) -> list[RequestRecord]:
         """`concurrency` workers each send the next request as soon as their last finished."""
+        self._history.clear()
         it = iter(reqs)
         stop_at = self.now() + duration_s if duration_s else None
         recs: list[RequestRecord] = []

@@ -4,7 +4,9 @@ Text comes from the corpus (or the spec's dataset). Segments are chosen with an 
 on (seed, request index), so the same spec + seed + tokenizer gives identical prompts.
 Shared prefixes are the same token ids for every request of a group; turn k of a session
 repeats turn k-1's prompt plus a stand-in reply of the planned length plus new text, so
-prefix caches see exactly the reuse a real conversation would produce.
+prefix caches see the reuse a real conversation would produce. The stand-in is for
+consumers without a server (simulator, planner); the bench's runner swaps in the reply
+the server really gave (`Request.turn_text` is the new user text it appends).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Request:
     prompt: str  # text to send
     prompt_ids: list[int]  # encode(prompt): what the server will see
     tokenizer_source: str
+    turn_text: str = ""  # later turns of a session: the user's new text alone
 
     @property
     def output_tokens(self) -> int:
@@ -90,5 +93,6 @@ def materialize(spec: WorkloadSpec, tokenizer=None, *, seed: int | None = None) 
                 ids = prefixes[r.prefix_group] + new
         text, ids = _fit(ids, r.prompt_tokens, tok, corpus, rng) if ds is None else (tok.decode(ids), ids)
         ids_of[r.index] = ids
-        out.append(Request(r, text, ids, getattr(tok, "source", type(tok).__name__)))
+        turn_text = tok.decode(ids[len(ids_of[r.parent]) + plan[r.parent].output_tokens:]) if r.parent >= 0 else ""
+        out.append(Request(r, text, ids, getattr(tok, "source", type(tok).__name__), turn_text))
     return out
