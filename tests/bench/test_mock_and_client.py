@@ -19,12 +19,12 @@ def mock_url():
         yield url
 
 
-def _run(url, reqs, **target):
+def _run(url, reqs, concurrency=None, **target):
     async def go():
         r = Runner(Target(url, **target))
         try:
             await r.preflight()
-            return await r.open_loop(reqs)
+            return await (r.closed_loop(reqs, concurrency) if concurrency else r.open_loop(reqs))
         finally:
             await r.aclose()
     return asyncio.run(go())
@@ -59,8 +59,8 @@ def test_non_streaming_and_token_ids(mock_url):
     assert all(r.prompt_tokens == r.planned_prompt_tokens for r in recs)  # ids counted one each
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_later_turns_carry_the_servers_real_replies(mock_url, endpoint):
+@pytest.mark.parametrize("endpoint, concurrency", [("completions", None), ("chat", None), ("chat", 4)])
+def test_later_turns_carry_the_servers_real_replies(mock_url, endpoint, concurrency):
     """The mock counts one token per prompt byte and answers with WORDS in order, so each
     turn's usage.prompt_tokens tells exactly what conversation the client sent."""
     from tokenmill.bench.mock_server import WORDS
@@ -69,12 +69,14 @@ def test_later_turns_carry_the_servers_real_replies(mock_url, endpoint):
                                    "sessions": {"turns": 3, "think_time_s": 0.05},
                                    "arrival": {"process": "poisson", "rate": 20}})
     reqs = materialize(spec)
-    recs = _run(mock_url, reqs, endpoint=endpoint)
+    recs = _run(mock_url, reqs, endpoint=endpoint, concurrency=concurrency)
     assert all(r.ok for r in recs) and len(recs) == 9
     reply = "".join(WORDS[:5])
     by_index = {r.spec.index: r for r in reqs}
     sent = {}  # request index -> bytes of the conversation it sent
-    for req, rec in sorted(zip(reqs, recs), key=lambda p: p[0].spec.turn):
+    rec_of = {(r.session, r.turn): r for r in recs}  # closed loop records in send order
+    for req in sorted(reqs, key=lambda r: r.spec.turn):
+        rec = rec_of[req.spec.session, req.spec.turn]
         if req.spec.turn == 0:
             sent[req.spec.index] = len(req.prompt.encode())
         else:

@@ -266,19 +266,29 @@ class Runner:
 
     async def closed_loop(self, reqs: list[Request], concurrency: int, stage: str = "run",
                           duration_s: float | None = None) -> list[RequestRecord]:
-        """`concurrency` workers each send the next request as soon as their last finished."""
+        """`concurrency` workers each send the next request as soon as their last finished.
+
+        A later turn of a session first waits for its previous turn (taken earlier, so in
+        flight in another worker) to finish: it must carry that turn's reply."""
         self._history.clear()
         it = iter(reqs)
         stop_at = self.now() + duration_s if duration_s else None
         recs: list[RequestRecord] = []
+        done = {r.spec.index: asyncio.Event() for r in reqs if r.spec.session >= 0}
 
         async def worker() -> None:
             for r in it:
-                if stop_at is not None and self.now() >= stop_at:
-                    return
-                rec = self._record(r, stage, self.now())
-                recs.append(rec)
-                await self.send(r, rec)
+                try:
+                    if stop_at is not None and self.now() >= stop_at:
+                        return
+                    if r.spec.parent in done:
+                        await done[r.spec.parent].wait()
+                    rec = self._record(r, stage, self.now())
+                    recs.append(rec)
+                    await self.send(r, rec)
+                finally:
+                    if r.spec.index in done:
+                        done[r.spec.index].set()
 
         workers = [asyncio.ensure_future(worker()) for _ in range(max(1, concurrency))]
         try:
