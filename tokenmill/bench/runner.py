@@ -215,7 +215,8 @@ class Runner:
                         max_concurrency: int | None = None) -> list[RequestRecord]:
         """Send each request at its arrival time (relative to now); returns when all finished."""
         self._history.clear()  # indices restart with each stage's requests
-        bodies = [self._body(r) for r in reqs]  # serialize up front: keeps dispatch cheap
+        # Serialize up front: keeps dispatch cheap. Session turns are built when sent.
+        bodies = [self._body(r) if r.spec.session < 0 else None for r in reqs]
         base = self.now()  # after serializing, which takes tens of ms for thousands of requests
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         done: dict[int, asyncio.Event] = {}

@@ -26,9 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.llm_engine import LLMEngine
 from tokenmill.server.async_engine import AsyncEngine, EngineError, EngineRequest, RequestStream
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.errors import APIError, error_body, error_response
+from tokenmill.server.errors import APIError, error_body, error_response, queue_full, rate_limited
 from tokenmill.server.gate import Gate, ServerState
-from tokenmill.server.limits import BodySizeLimit, RateLimiter, retry_after
+from tokenmill.server.limits import BodySizeLimit, RateLimiter
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenmill.server.serving import Prepared, Preparer, Responder, bad
@@ -157,16 +157,6 @@ def create_app(engine: LLMEngine, config: ServerConfig, model_names: list[str]) 
     async def on_unexpected(request: Request, exc: Exception):
         log.exception("unexpected error on %s", request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}")
-
-    # -- checks ---------------------------------------------------------------------------
-
-    def rate_limited(wait: float, what: str) -> APIError:
-        return APIError(429, f"rate limit exceeded ({what}); retry in {wait:.2f}s", code="rate_limit_exceeded",
-                        headers=retry_after(wait), reason="rate_limit")
-
-    def queue_full(message: str) -> APIError:
-        return APIError(429, f"server busy: {message}", code="queue_full", headers=retry_after(1.0),
-                        reason="queue")
 
     # -- generation -----------------------------------------------------------------------
 

@@ -60,11 +60,9 @@ class RequestStream:
     async def next(self, timeout: float | None = None) -> RequestOutput:
         """The newest output once at least one new one arrived; raises TimeoutError or EngineError."""
         item = await asyncio.wait_for(self._queue.get(), timeout) if timeout is not None else await self._queue.get()
-        while not self._queue.empty():  # coalesce: cumulative outputs make older ones redundant
-            newer = self._queue.get_nowait()
-            if isinstance(item, Exception):
-                break
-            item = newer
+        # Coalesce: cumulative outputs make older ones redundant; an error ends the stream.
+        while not isinstance(item, Exception) and not self._queue.empty():
+            item = self._queue.get_nowait()
         if isinstance(item, Exception):
             self.finished = True
             raise item
@@ -89,9 +87,10 @@ class AsyncEngine:
         self._queued_tokens = 0
         # Engine-thread owned.
         self._unscheduled: set[str] = set()
-        self._seen = {"prompt_tokens": 0, "generation_tokens": 0, "batched_tokens": 0}
-        self._seen_pool = (0, 0)
-        self._seen_preemptions = 0
+        # The engine's cumulative counters as of the last step (a new engine's are all 0),
+        # turned into per-step increments for the Prometheus counters.
+        self._seen = dict.fromkeys(("prompt_tokens", "generation_tokens", "batched_tokens", "prefix_queries",
+                                    "prefix_hits", "preemptions"), 0)
         self._bytes_per_block = engine.kv_cache_bytes // engine.pool.num_blocks
         self.alive = False
 
@@ -246,19 +245,23 @@ class AsyncEngine:
         if changed:
             self._publish_gauges()
 
+    def _engine_counters(self) -> dict[str, int]:
+        eng = self.engine
+        return {"prompt_tokens": eng.stats["prompt_tokens"], "generation_tokens": eng.stats["generation_tokens"],
+                "batched_tokens": eng.stats["batched_tokens"], "prefix_queries": eng.pool.num_queries,
+                "prefix_hits": eng.pool.num_hits, "preemptions": eng.scheduler.num_preemptions}
+
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         eng, m = self.engine, self.metrics
-        stats = eng.stats
-        m.prompt_tokens.inc(stats["prompt_tokens"] - self._seen["prompt_tokens"])
-        m.generation_tokens.inc(stats["generation_tokens"] - self._seen["generation_tokens"])
-        m.iteration_tokens.observe(stats["batched_tokens"] - self._seen["batched_tokens"])
-        self._seen = {k: stats[k] for k in self._seen}
-        q, h = eng.pool.num_queries, eng.pool.num_hits
-        m.prefix_queries.inc(q - self._seen_pool[0])
-        m.prefix_hits.inc(h - self._seen_pool[1])
-        self._seen_pool = (q, h)
-        m.preemptions.inc(eng.scheduler.num_preemptions - self._seen_preemptions)
-        self._seen_preemptions = eng.scheduler.num_preemptions
+        now = self._engine_counters()
+        step = {k: v - self._seen[k] for k, v in now.items()}
+        self._seen = now
+        m.prompt_tokens.inc(step["prompt_tokens"])
+        m.generation_tokens.inc(step["generation_tokens"])
+        m.iteration_tokens.observe(step["batched_tokens"])
+        m.prefix_queries.inc(step["prefix_queries"])
+        m.prefix_hits.inc(step["prefix_hits"])
+        m.preemptions.inc(step["preemptions"])
         # Requests the scheduler picked up no longer count against the queue limits.
         for rid in list(self._unscheduled):
             r = eng.scheduler.requests.get(rid)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 from fastapi.responses import JSONResponse
 
 # HTTP status -> OpenAI error type, as OpenAI and vLLM name them.
@@ -33,6 +36,29 @@ class APIError(Exception):
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     etype = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": etype, "param": param, "code": code if code else status}}
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def queue_full(detail: str) -> APIError:
+    return APIError(429, f"server busy: {detail}", code="queue_full", headers=retry_after(1.0), reason="queue")
+
+
+def rate_limited(wait: float, limit: str) -> APIError:
+    """`limit` names the flag that refused, e.g. "--rate-limit-rps 5"."""
+    return APIError(429, f"rate limit exceeded ({limit}); retry in {wait:.2f}s", code="rate_limit_exceeded",
+                    headers=retry_after(wait), reason="rate_limit")
+
+
+async def send_error(send, err: APIError) -> None:
+    """`err` as a raw ASGI response, for middleware that answers before any routing."""
+    body = json.dumps(err.body()).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

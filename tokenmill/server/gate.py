@@ -9,11 +9,10 @@ later, in the handler.
 from __future__ import annotations
 
 import hmac
-import json
 from dataclasses import dataclass
 
-from tokenmill.server.errors import error_body
-from tokenmill.server.limits import RateLimiter, retry_after
+from tokenmill.server.errors import APIError, queue_full, rate_limited, send_error
+from tokenmill.server.limits import RateLimiter
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 DRAIN_PATHS = GENERATE_PATHS + ("/tokenize", "/detokenize")
@@ -58,34 +57,31 @@ class Gate:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        err = self._refusal(scope)
+        if err is not None:
+            if err.reason:
+                self.metrics.rejected(err.reason)
+            return await send_error(send, err)
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> APIError | None:
+        """Why this request is refused at the door, or None (then its rate key is in scope)."""
         path = scope["path"]
         key = None
         if self._protected(path):
             key = self._key(scope)
             if key is None:
-                self.metrics.rejected("auth")
-                return await _send(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                   "invalid_api_key")
+                return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                code="invalid_api_key", reason="auth")
         if self.state.draining and path in DRAIN_PATHS:
-            return await _send(send, 503, "the server is shutting down", "server_shutting_down",
-                               {"Retry-After": "5", "Connection": "close"})
+            return APIError(503, "the server is shutting down", code="server_shutting_down",
+                            headers={"Retry-After": "5", "Connection": "close"})
         if scope["method"] == "POST" and path in GENERATE_PATHS:
             wait = self.limiter.check_request(key or "anonymous")
             if wait > 0:
-                self.metrics.rejected("rate_limit")
-                return await _send(send, 429, f"rate limit exceeded (--rate-limit-rps {self.config.rate_limit_rps}); "
-                                   f"retry in {wait:.2f}s", "rate_limit_exceeded", retry_after(wait))
+                return rate_limited(wait, f"--rate-limit-rps {self.config.rate_limit_rps}")
             full = self.aengine.try_admit(0, self.config.max_queued_requests, None)
             if full:
-                self.metrics.rejected("queue")
-                return await _send(send, 429, f"server busy: {full}", "queue_full", retry_after(1.0))
+                return queue_full(full)
         scope.setdefault("state", {})["rate_key"] = key or "anonymous"
-        await self.app(scope, receive, send)
-
-
-async def _send(send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(status, message, None, code)).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+        return None

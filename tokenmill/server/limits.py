@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+from tokenmill.server.errors import APIError, send_error
 
 
 @dataclass
@@ -82,10 +82,6 @@ class RateLimiter:
         return wait
 
 
-def retry_after(seconds: float) -> dict[str, str]:
-    return {"Retry-After": str(max(1, math.ceil(seconds)))}
-
-
 class BodySizeLimit:
     """ASGI middleware: refuse request bodies over `max_bytes` with 413, before parsing.
 
@@ -102,13 +98,8 @@ class BodySizeLimit:
     async def _reject(self, send) -> None:
         if self.on_reject:
             self.on_reject()
-        body = json.dumps({"error": {
-            "message": f"request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
-            "type": "invalid_request_error", "param": None, "code": 413}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, APIError(413, f"request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
+                                        headers={"Connection": "close"}))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):

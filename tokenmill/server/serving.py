@@ -204,6 +204,11 @@ class Responder:
 
     # -- logprobs -----------------------------------------------------------------------
 
+    def _top(self, lp: Logprob) -> list[tuple[str, float]]:
+        """The requested number of alternatives, most likely first, as (token text, logprob)."""
+        best = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[: self.prep.logprobs]
+        return [(self._token_str(i), _lp(v)) for i, v in best]
+
     def _logprobs(self, token_ids: list[int], lps: list[Logprob]) -> dict | None:
         if self.prep.logprobs is None:
             return None
@@ -211,18 +216,16 @@ class Responder:
             content = []
             for tid, lp in zip(token_ids, lps):
                 s = self._token_str(tid)
-                top = [{"token": (t := self._token_str(i)), "logprob": _lp(v), "bytes": list(t.encode())}
-                       for i, v in sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])]
+                top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in self._top(lp)]
                 content.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(s.encode()),
-                                "top_logprobs": top[: self.prep.logprobs]})
+                                "top_logprobs": top})
             return {"content": content}
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, lp in zip(token_ids, lps):
             s = self._token_str(tid)
             tokens.append(s)
             token_lps.append(_lp(lp.logprob))
-            top = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[: self.prep.logprobs]
-            tops.append({self._token_str(i): _lp(v) for i, v in top})
+            tops.append(dict(self._top(lp)))
             offsets.append(self._text_offset)
             self._text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
