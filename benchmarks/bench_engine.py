@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_engine.py [--dtype bfloat16] [--skip-hf] [--vllm-python PATH]
 
 Prints one JSON line per measurement and a summary table; results go to BENCHMARKS.md.
-- throughput: tokenmill continuous batching vs HF `generate` in static batches of 16
+- throughput: quantpipe continuous batching vs HF `generate` in static batches of 16
   (left-padded, each batch runs to its longest output, only useful tokens counted)
 - vLLM CPU (optional, its own virtualenv): the same prompts through `vllm.LLM`, max_num_seqs=16
 - batch-1 decode tokens/s vs HF generate at batch 1
@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from tokenmill import LLM, SamplingParams
-from tokenmill.model.export import export_hf
-from tokenmill.workload import materialize, preset
+from quantpipe.runtime import LLM, SamplingParams
+from quantpipe.runtime.model.export import export_hf
+from quantpipe.runtime.workload import materialize, preset
 
 
 def log(name: str, **fields) -> dict:
@@ -39,7 +39,7 @@ def chat_cpu(tokenizer):
     return [r.prompt_ids for r in reqs], [r.output_tokens for r in reqs]
 
 
-def bench_tokenmill(llm: LLM, prompts, outs) -> dict:
+def bench_quantpipe(llm: LLM, prompts, outs) -> dict:
     eng = llm.engine
     for p, n in zip(prompts, outs):
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -98,7 +98,7 @@ def bench_batch1(llm: LLM, hf, prompt, n=128) -> dict:
     out = llm.generate([prompt], p)[0]
     decode_s = time.perf_counter() - t0 - (out.metrics.first_token_time - out.metrics.arrival_time)
     ours = (n - 1) / decode_s
-    res = {"tokenmill_decode_tok_per_s": round(ours, 1)}
+    res = {"quantpipe_decode_tok_per_s": round(ours, 1)}
     if hf is not None:
         ids = torch.tensor([prompt])
         with torch.no_grad():
@@ -169,15 +169,15 @@ def main() -> None:
     llm = LLM(dtype=args.dtype, device="cpu")
     tok = llm.get_tokenizer()
     prompts, outs = chat_cpu(tok)
-    hf_dir = export_hf(llm.engine.runner.model, tok, tempfile.mkdtemp(prefix="tokenmill-hf-"))
+    hf_dir = export_hf(llm.engine.runner.model, tok, tempfile.mkdtemp(prefix="quantpipe-hf-"))
     log("workload", workload="chat-cpu", requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
         output_tokens=sum(outs), torch_threads=torch.get_num_threads(), dtype=args.dtype)
     hf = None if args.skip_hf else load_hf(hf_dir, torch_dtype)
     if "throughput" in only:
-        ours = log("tokenmill_throughput", **bench_tokenmill(llm, prompts, outs))
+        ours = log("quantpipe_throughput", **bench_quantpipe(llm, prompts, outs))
         if hf is not None:
             ref = log("hf_static16_throughput", **bench_hf_static(hf, prompts, outs))
-            log("throughput_ratio", tokenmill_over_hf=round(ours["tok_per_s"] / ref["tok_per_s"], 2))
+            log("throughput_ratio", quantpipe_over_hf=round(ours["tok_per_s"] / ref["tok_per_s"], 2))
     if "vllm" in only and args.vllm_python:
         log("vllm_cpu_throughput", **bench_vllm(args.vllm_python, hf_dir, prompts, outs, args.dtype))
     if "batch1" in only:

@@ -1,4 +1,4 @@
-"""Does an engine stepping in a worker thread (as `tokenmill serve` does) run slower than
+"""Does an engine stepping in a worker thread (as `quantpipe serve` does) run slower than
 one stepping in the main thread? Small chat-cpu subset (24 requests, lengths x0.5).
 
     .venv/bin/python benchmarks/bench_engine_thread.py main         # load + step in main
@@ -11,9 +11,9 @@ import sys
 import threading
 import time
 
-from tokenmill import SamplingParams
-from tokenmill.llm_engine import EngineArgs, LLMEngine
-from tokenmill.workload import materialize, preset
+from quantpipe.runtime import SamplingParams
+from quantpipe.runtime.llm_engine import EngineArgs, LLMEngine
+from quantpipe.runtime.workload import materialize, preset
 
 
 def build() -> LLMEngine:

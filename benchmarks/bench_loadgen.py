@@ -15,11 +15,11 @@ import json
 import sys
 import time
 
-from tokenmill.bench.loop import run_async
-from tokenmill.bench.metrics import summarize
-from tokenmill.bench.mock_server import spawn_mock
-from tokenmill.bench.runner import Runner, Target
-from tokenmill.workload import WorkloadSpec, materialize
+from quantpipe.runtime.bench.loop import run_async
+from quantpipe.runtime.bench.metrics import summarize
+from quantpipe.runtime.bench.mock_server import spawn_mock
+from quantpipe.runtime.bench.runner import Runner, Target
+from quantpipe.runtime.workload import WorkloadSpec, materialize
 
 
 def main() -> int:

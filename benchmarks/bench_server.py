@@ -1,15 +1,18 @@
 """Server vs offline engine: output tokens/s on the same workload, side by side.
 
     .venv/bin/python benchmarks/bench_server.py [--num-requests 64] [--length-scale 1.0] [--concurrency 16]
-                                                [--repeats 1]
+                                                [--repeats 1] [--request-log-ab]
 
-Workload: tokenmill.workload's `chat-cpu` preset (64 requests, prompt ~256, output ~128
+Workload: quantpipe.runtime.workload's `chat-cpu` preset (64 requests, prompt ~256, output ~128
 tokens, ignore_eos) when available, else 64 fixed prompts cut from pydoc_data.topics
 (256 prompt tokens, 128 output tokens). Both sides get identical prompt token ids,
 greedy, exact output lengths, and keep `concurrency` requests in flight (closed loop):
 - offline: LLMEngine in this process, refilled as requests finish
-- server: `python -m tokenmill.server` subprocess, streaming SSE over HTTP with httpx
+- server: `python -m quantpipe.runtime.server` subprocess, streaming SSE over HTTP with httpx
 They run one after the other, never at once. Prints one JSON line per side and the ratio.
+
+--request-log-ab: instead, the server with `--request-log` off and on, alternating; the
+ratio on/off per pair is the cost of the production request log (target >= 98%).
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ import time
 
 import httpx
 
-ENGINE_FLAGS = {"dtype": "bfloat16", "max_model_len": 2048, "kv_cache_memory": "512MiB"}
+# dtype auto: bf16 where the CPU has native bf16 (AVX-512 BF16 / AMX), float32 elsewhere
+# (emulated bf16 matmuls are several times slower than float32 ones).
+ENGINE_FLAGS = {"dtype": "auto", "max_model_len": 2048, "kv_cache_memory": "512MiB"}
 
 
 def workload(tokenizer, num_requests: int, length_scale: float) -> tuple[str, list[list[int]], list[int]]:
     try:
-        from tokenmill.workload import materialize, preset
+        from quantpipe.runtime.workload import materialize, preset
 
         reqs = materialize(preset("chat-cpu", num_requests=num_requests, length_scale=length_scale), tokenizer)
         return "chat-cpu", [r.prompt_ids for r in reqs], [r.output_tokens for r in reqs]
@@ -47,8 +52,8 @@ def workload(tokenizer, num_requests: int, length_scale: float) -> tuple[str, li
 
 
 def run_offline(prompts, outputs, concurrency: int) -> dict:
-    from tokenmill import SamplingParams
-    from tokenmill.llm_engine import EngineArgs, LLMEngine
+    from quantpipe.runtime import SamplingParams
+    from quantpipe.runtime.llm_engine import EngineArgs, LLMEngine
 
     eng = LLMEngine(EngineArgs(**ENGINE_FLAGS))
     todo = list(range(len(prompts)))[::-1]
@@ -109,12 +114,14 @@ async def _drive(url: str, prompts, outputs, concurrency: int) -> tuple[int, flo
         return total, time.perf_counter() - t0, ttfts
 
 
-def run_server(prompts, outputs, concurrency: int) -> dict:
+def run_server(prompts, outputs, concurrency: int, request_log: str | None = None) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tokenmill.server", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "quantpipe.runtime.server", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", "--dtype", ENGINE_FLAGS["dtype"], "--max-model-len",
            str(ENGINE_FLAGS["max_model_len"]), "--kv-cache-memory", ENGINE_FLAGS["kv_cache_memory"]]
+    if request_log:
+        cmd += ["--request-log", request_log]
     proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         end = time.monotonic() + 180
@@ -135,7 +142,7 @@ def run_server(prompts, outputs, concurrency: int) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     ttfts.sort()
-    return {"side": "server", "output_tokens": total, "wall_s": round(wall, 2),
+    return {"side": "server+log" if request_log else "server", "output_tokens": total, "wall_s": round(wall, 2),
             "output_tok_s": round(total / wall, 1), "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3)}
 
 
@@ -147,9 +154,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="alternating offline/server pairs; the median of the pair ratios is reported")
     ap.add_argument("--server-only", action="store_true", help="skip the offline side (for A/B of server changes)")
+    ap.add_argument("--request-log-ab", action="store_true", help="server with the request log off vs on")
+    ap.add_argument("--dtype", default=ENGINE_FLAGS["dtype"], choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args()
+    ENGINE_FLAGS["dtype"] = args.dtype
 
-    from tokenmill.model.tokenizer import load_tokenizer
+    from quantpipe.runtime.model.tokenizer import load_tokenizer
 
     name, prompts, outputs = workload(load_tokenizer(), args.num_requests, args.length_scale)
     print(json.dumps({"workload": name, "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
@@ -158,6 +168,8 @@ def main() -> int:
     # both sides run the same engine under the same collector settings.
     gc.collect()
     gc.freeze()
+    if args.request_log_ab:
+        return request_log_ab(prompts, outputs, args)
     offs, srvs = [], []
     for _ in range(args.repeats):  # alternate, so drift in machine load hits both sides alike
         if not args.server_only:
@@ -177,6 +189,33 @@ def main() -> int:
           f"{'server':<8} {med(s['output_tok_s'] for s in srvs):>17.1f}  {[s['output_tok_s'] for s in srvs]}\n"
           f"server / offline per pair: {', '.join(f'{r:.1%}' for r in ratios)}; "
           f"median {med(ratios):.1%} (target >= 90%)")
+    return 0
+
+
+def request_log_ab(prompts, outputs, args) -> int:
+    import tempfile
+
+    offs, ons = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            # Alternate which side goes first, so a trend in machine load favours neither.
+            order = (False, True) if i % 2 == 0 else (True, False)
+            for logged in order:
+                log_path = os.path.join(tmp, f"requests-{i}.jsonl") if logged else None
+                res = run_server(prompts, outputs, args.concurrency, log_path)
+                if logged:
+                    with open(log_path) as f:
+                        res["logged_lines"] = sum(1 for _ in f)
+                    res["log_bytes"] = os.path.getsize(log_path)
+                (ons if logged else offs).append(res)
+                print(json.dumps(res), flush=True)
+    ratios = [on["output_tok_s"] / off["output_tok_s"] for off, on in zip(offs, ons)]
+    med = statistics.median
+    print(f"\n{'side':<11} {'median out tok/s':>17}  runs\n"
+          f"{'log off':<11} {med(o['output_tok_s'] for o in offs):>17.1f}  {[o['output_tok_s'] for o in offs]}\n"
+          f"{'log on':<11} {med(o['output_tok_s'] for o in ons):>17.1f}  {[o['output_tok_s'] for o in ons]}\n"
+          f"log on / off per pair: {', '.join(f'{r:.1%}' for r in sorted(ratios))}; "
+          f"median {med(ratios):.1%} (target >= 98%)")
     return 0
 
 

@@ -9,7 +9,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def default_model_path():
-    from tokenmill.model.loader import default_model_path
+    from quantpipe.runtime.model.loader import default_model_path
 
     return default_model_path()
 
@@ -28,8 +28,8 @@ def hf_default(default_model_path):
 @pytest.fixture(scope="session")
 def default_hf_dir(tmp_path_factory):
     """The default model exported as a plain HF folder (float32 safetensors + tokenizer)."""
-    from tokenmill.model.export import export_hf
-    from tokenmill.model.loader import load_model
+    from quantpipe.runtime.model.export import export_hf
+    from quantpipe.runtime.model.loader import load_model
 
     model, _, tokenizer = load_model(None, torch.float32)
     return export_hf(model, tokenizer, str(tmp_path_factory.mktemp("smollm2-hf")))

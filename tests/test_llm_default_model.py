@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from quantpipe.runtime import LLM, SamplingParams
 from tests.conftest import hf_greedy
-from tokenmill import LLM, SamplingParams
 
 BLOCK_FP32 = 2 * 30 * 16 * 3 * 64 * 4  # bytes of K and V for one 16-token block, all 30 layers
 
@@ -45,8 +45,8 @@ def test_greedy_batch_matches_hf(llm32, hf_default, corpus_prompts):
 def test_bf16_first_step_logits_match_reference(default_hf_dir, corpus_prompts):
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.engine.request import Request
-    from tokenmill.engine.scheduler import ScheduledChunk
+    from quantpipe.runtime.engine.request import Request
+    from quantpipe.runtime.engine.scheduler import ScheduledChunk
 
     llm = LLM(dtype="bfloat16", device="cpu", kv_cache_memory="64MiB")
     eng = llm.engine

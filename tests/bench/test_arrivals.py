@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tokenmill.workload import ArrivalSpec
+from quantpipe.runtime.workload import ArrivalSpec
 
 N = 10_000
 

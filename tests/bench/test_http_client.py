@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tokenmill.bench.http import HTTPClient, HTTPError
+from quantpipe.runtime.bench.http import HTTPClient, HTTPError
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 

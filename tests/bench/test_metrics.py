@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from tokenmill.bench.compare import compare, diff_ci
-from tokenmill.bench.metrics import bootstrap, parse_slos, request_meets, summarize
-from tokenmill.bench.records import RequestRecord
-from tokenmill.bench.results import BenchResult, Stage
-from tokenmill.bench.scrape import parse_prometheus
-from tokenmill.bench.sweep import capacity, drift, find_knee
+from quantpipe.runtime.bench.compare import compare, diff_ci
+from quantpipe.runtime.bench.metrics import bootstrap, parse_slos, request_meets, summarize
+from quantpipe.runtime.bench.records import RequestRecord
+from quantpipe.runtime.bench.results import BenchResult, Stage
+from quantpipe.runtime.bench.scrape import parse_prometheus
+from quantpipe.runtime.bench.sweep import capacity, drift, find_knee
 
 
 def rec(i, send=0.0, ttft=0.1, itl=0.01, n=11, status=200, stage="s", intended=None):
@@ -50,8 +50,8 @@ def test_slos_and_goodput():
 
 
 def test_prometheus_parsing_both_prefixes():
-    text = ('# HELP x\n# TYPE tokenmill:num_requests_running gauge\n'
-            'tokenmill:num_requests_running{model_name="m"} 3\n'
+    text = ('# HELP x\n# TYPE quantpipe:num_requests_running gauge\n'
+            'quantpipe:num_requests_running{model_name="m"} 3\n'
             'vllm:num_requests_waiting{model_name="m",engine="0"} 2\n'
             'vllm:num_requests_waiting{model_name="m",engine="1"} 5\n'
             'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'

@@ -6,11 +6,11 @@ import threading
 import numpy as np
 import pytest
 
-from tokenmill.bench.metrics import summarize
-from tokenmill.bench.mock_server import spawn_mock
-from tokenmill.bench.runner import BenchError, Runner, Target
-from tokenmill.cli import main
-from tokenmill.workload import HTTPTokenizer, WorkloadSpec, materialize
+from quantpipe.cli import main
+from quantpipe.runtime.bench.metrics import summarize
+from quantpipe.runtime.bench.mock_server import spawn_mock
+from quantpipe.runtime.bench.runner import BenchError, Runner, Target
+from quantpipe.runtime.workload import HTTPTokenizer, WorkloadSpec, materialize
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_non_streaming_and_token_ids(mock_url):
 def test_later_turns_carry_the_servers_real_replies(mock_url, endpoint, concurrency):
     """The mock counts one token per prompt byte and answers with WORDS in order, so each
     turn's usage.prompt_tokens tells exactly what conversation the client sent."""
-    from tokenmill.bench.mock_server import WORDS
+    from quantpipe.runtime.bench.mock_server import WORDS
 
     spec = WorkloadSpec.from_dict({"num_requests": 9, "prompt_tokens": 30, "output_tokens": 5,
                                    "sessions": {"turns": 3, "think_time_s": 0.05},

@@ -1,4 +1,4 @@
-"""End to end: `tokenmill bench sweep` against a concurrency-limited mock finds the knee,
+"""End to end: `quantpipe bench sweep` against a concurrency-limited mock finds the knee,
 answers capacity with headroom, and writes JSON, CSV and HTML with embedded plots."""
 
 import csv
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tokenmill.bench.mock_server import spawn_mock
-from tokenmill.cli import main
+from quantpipe.cli import main
+from quantpipe.runtime.bench.mock_server import spawn_mock
 
 pytestmark = pytest.mark.slow  # ~20-25 s on 2 cores (one sweep shared by the tests)
 

@@ -1,16 +1,16 @@
-"""`tokenmill bench sweep` end to end against a real `tokenmill serve` (small scale)."""
+"""`quantpipe bench sweep` end to end against a real `quantpipe serve` (small scale)."""
 
 import json
 
 import pytest
 
+from quantpipe.cli import main
 from tests.server.conftest import ServerProcess
-from tokenmill.cli import main
 
 pytestmark = pytest.mark.slow
 
 
-def test_sweep_against_tokenmill_serve(tmp_path):
+def test_sweep_against_quantpipe_serve(tmp_path):
     server = ServerProcess("--max-model-len", "512", "--kv-cache-memory", "128MiB", log_path=str(tmp_path / "server.log"))
     try:
         server.wait_ready()
@@ -33,7 +33,7 @@ def test_sweep_against_tokenmill_serve(tmp_path):
     html = (tmp_path / "real.html").read_text()
     assert html.count("data:image/png;base64,") >= 3
     assert (tmp_path / "real.csv").read_text().count("\n") >= len(ok)
-    # The scrape found tokenmill's own metrics.
+    # The scrape found quantpipe's own metrics.
     series = result["server_series"]
     assert any(p.get("kv_cache_blocks_total", 0) > 0 for p in series)
     assert all(p["process_resident_memory_bytes"] > 100 * 2**20 for p in series)  # the model alone is bigger

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from tokenmill.workload import (
+from quantpipe.runtime.workload import (
     ApproxTokenizer,
     WorkloadSpec,
     load_workload,

@@ -4,7 +4,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenmill.engine.block_pool import NO_HASH, ROOT_HASH, BlockPool, hash_block
+from quantpipe.runtime.engine.block_pool import NO_HASH, ROOT_HASH, BlockPool, hash_block
 
 BS = 4
 

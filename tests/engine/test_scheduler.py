@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from quantpipe.runtime.engine.block_pool import BlockPool
+from quantpipe.runtime.engine.request import Request
+from quantpipe.runtime.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def run(sched: Scheduler, reqs: list[Request], max_steps=10_000):

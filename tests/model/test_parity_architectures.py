@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
+from quantpipe.runtime import LLM, SamplingParams
 from tests.conftest import hf_greedy
-from tokenmill import LLM, SamplingParams
 
 ARCHS = {
     "llama-gqa-untied-llama3-rope": ("LlamaConfig", dict(
@@ -76,7 +76,7 @@ def test_greedy_matches_hf(tmp_path, arch):
 
 def test_unsupported_architecture_and_fields_are_refused(tmp_path):
 
-    from tokenmill.model.config import ModelConfig
+    from quantpipe.runtime.model.config import ModelConfig
 
     with pytest.raises(ValueError, match="architecture.*GPT2LMHeadModel"):
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})

@@ -1,4 +1,4 @@
-"""A real `python -m tokenmill.server` subprocess per test module, on a free port."""
+"""A real `python -m quantpipe.runtime.server` subprocess per test module, on a free port."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "tokenmill.server", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "quantpipe.runtime.server", "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", "warning", *args]
         env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
         self.log = open(log_path, "w")

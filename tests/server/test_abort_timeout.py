@@ -11,7 +11,7 @@ import pytest
 from tests.server.conftest import metric, wait_metric
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
-USAGE = "tokenmill:kv_cache_usage_perc"
+USAGE = "quantpipe:kv_cache_usage_perc"
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def server(start_server):
 
 
 def test_stream_disconnect_frees_blocks(server):
-    before = metric(server.url, "tokenmill:request_aborted_total")
+    before = metric(server.url, "quantpipe:request_aborted_total")
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}) as r:
             assert r.status_code == 200
@@ -33,20 +33,20 @@ def test_stream_disconnect_frees_blocks(server):
             assert metric(server.url, USAGE) > 0  # it really holds blocks mid-stream
     # Leaving the block closed the connection.
     assert wait_metric(server.url, USAGE, 0.0, timeout=1.0) == 0.0
-    assert wait_metric(server.url, "tokenmill:request_aborted_total", before + 1, timeout=1.0) == before + 1
-    assert metric(server.url, "tokenmill:num_requests_running") == 0
+    assert wait_metric(server.url, "quantpipe:request_aborted_total", before + 1, timeout=1.0) == before + 1
+    assert metric(server.url, "quantpipe:num_requests_running") == 0
 
 
 def test_non_stream_disconnect_frees_blocks(server):
-    before = metric(server.url, "tokenmill:request_aborted_total")
+    before = metric(server.url, "quantpipe:request_aborted_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.8))
     assert wait_metric(server.url, USAGE, 0.0, timeout=1.0) == 0.0
-    assert wait_metric(server.url, "tokenmill:request_aborted_total", before + 1, timeout=1.0) == before + 1
+    assert wait_metric(server.url, "quantpipe:request_aborted_total", before + 1, timeout=1.0) == before + 1
 
 
 def test_timeout_non_stream(server):
-    before = metric(server.url, "tokenmill:request_timeout_total")
+    before = metric(server.url, "quantpipe:request_timeout_total")
     t0 = time.monotonic()
     r = httpx.post(server.url + "/v1/completions", json=LONG, timeout=30)
     took = time.monotonic() - t0
@@ -54,11 +54,11 @@ def test_timeout_non_stream(server):
     assert r.json()["error"]["code"] == "request_timeout"
     assert 1.9 < took < 5
     assert wait_metric(server.url, USAGE, 0.0, timeout=1.0) == 0.0
-    assert metric(server.url, "tokenmill:request_timeout_total") == before + 1
+    assert metric(server.url, "quantpipe:request_timeout_total") == before + 1
 
 
 def test_timeout_stream(server):
-    before = metric(server.url, "tokenmill:request_timeout_total")
+    before = metric(server.url, "quantpipe:request_timeout_total")
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30,
                       json={"messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 1500,
                             "ignore_eos": True, "stream": True}) as r:
@@ -67,28 +67,28 @@ def test_timeout_stream(server):
     assert '"request_timeout"' in lines[-2]
     assert len(lines) > 3  # it streamed tokens before the deadline
     assert wait_metric(server.url, USAGE, 0.0, timeout=1.0) == 0.0
-    assert metric(server.url, "tokenmill:request_timeout_total") == before + 1
+    assert metric(server.url, "quantpipe:request_timeout_total") == before + 1
 
 
 def test_metrics_exposition(server):
     text = httpx.get(server.url + "/metrics", timeout=5).text
-    for name in ("tokenmill:num_requests_running", "tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc",
-                 "tokenmill:kv_cache_blocks_used", "tokenmill:kv_cache_blocks_total", "tokenmill:kv_cache_bytes_used",
-                 "tokenmill:prompt_tokens_total", "tokenmill:generation_tokens_total",
-                 "tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total",
-                 "tokenmill:num_preemptions_total", "tokenmill:request_success_total",
-                 "tokenmill:request_rejected_total", "tokenmill:request_aborted_total",
-                 "tokenmill:request_timeout_total", "tokenmill:time_to_first_token_seconds_bucket",
-                 "tokenmill:time_per_output_token_seconds_bucket", "tokenmill:e2e_request_latency_seconds_bucket",
-                 "tokenmill:request_queue_time_seconds_bucket", "tokenmill:request_prefill_time_seconds_bucket",
-                 "tokenmill:request_decode_time_seconds_bucket", "tokenmill:iteration_tokens_total_bucket",
+    for name in ("quantpipe:num_requests_running", "quantpipe:num_requests_waiting", "quantpipe:kv_cache_usage_perc",
+                 "quantpipe:kv_cache_blocks_used", "quantpipe:kv_cache_blocks_total", "quantpipe:kv_cache_bytes_used",
+                 "quantpipe:prompt_tokens_total", "quantpipe:generation_tokens_total",
+                 "quantpipe:prefix_cache_queries_total", "quantpipe:prefix_cache_hits_total",
+                 "quantpipe:num_preemptions_total", "quantpipe:request_success_total",
+                 "quantpipe:request_rejected_total", "quantpipe:request_aborted_total",
+                 "quantpipe:request_timeout_total", "quantpipe:time_to_first_token_seconds_bucket",
+                 "quantpipe:time_per_output_token_seconds_bucket", "quantpipe:e2e_request_latency_seconds_bucket",
+                 "quantpipe:request_queue_time_seconds_bucket", "quantpipe:request_prefill_time_seconds_bucket",
+                 "quantpipe:request_decode_time_seconds_bucket", "quantpipe:iteration_tokens_total_bucket",
                  "process_resident_memory_bytes"):
         assert f"\n{name}" in text, name
     assert 'model_name="SmolLM2-135M-Instruct"' in text
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30)
     assert ok.status_code == 200
-    assert metric(server.url, "tokenmill:e2e_request_latency_seconds_count") >= 1
-    assert metric(server.url, "tokenmill:generation_tokens_total") > 0
+    assert metric(server.url, "quantpipe:e2e_request_latency_seconds_count") >= 1
+    assert metric(server.url, "quantpipe:generation_tokens_total") > 0
 
 
 @pytest.mark.slow

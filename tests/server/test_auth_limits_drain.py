@@ -30,14 +30,14 @@ def auth(key: str) -> dict:
 @pytest.mark.parametrize("headers", [{}, auth("wrong"), {"Authorization": "k-main"}, {"Authorization": "Basic k-main"}])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/models"])
 def test_auth_required(server, headers, path):
-    before = metric(server.url, "tokenmill:request_rejected_total", reason="auth")
+    before = metric(server.url, "quantpipe:request_rejected_total", reason="auth")
     if path == "/v1/models":
         r = httpx.get(server.url + path, headers=headers, timeout=10)
     else:
         r = httpx.post(server.url + path, headers=headers, json={"prompt": "hi"}, timeout=10)
     assert r.status_code == 401
     assert r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"] == "invalid_api_key"
-    assert metric(server.url, "tokenmill:request_rejected_total", reason="auth") == before + 1
+    assert metric(server.url, "quantpipe:request_rejected_total", reason="auth") == before + 1
 
 
 def test_health_and_metrics_open(server):

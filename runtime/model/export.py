@@ -1,0 +1,76 @@
+"""Write a loaded model as an HF folder (config.json, model.safetensors, tokenizer files),
+so a GGUF can be served or compared by tools that only read HF folders."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from quantpipe.runtime.model.config import ModelConfig
+from quantpipe.runtime.model.llama import LlamaForCausalLM
+from quantpipe.runtime.model.tokenizer import Tokenizer
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    out = {
+        "architectures": [cfg.architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[cfg.architecture],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
+        "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)[:1] or None,
+    }
+    if cfg.architecture == "MistralForCausalLM":
+        out["sliding_window"] = None
+    return out
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    cfg = model.config
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.startswith("rotary.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if "qkv_proj" in name:
+            q, k, v = t.split([cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                               cfg.num_kv_heads * cfg.head_dim], dim=0)
+            for part, w in zip("qkv", (q, k, v)):
+                out["model." + name.replace("qkv_proj", f"{part}_proj")] = w.contiguous()
+        elif "gate_up_proj" in name:
+            gate, up = t.chunk(2, dim=0)
+            out["model." + name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+            out["model." + name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+        elif name == "lm_head.weight":
+            out[name] = t.contiguous()
+        else:
+            out["model." + name] = t.contiguous()
+    return out
+
+
+def export_hf(model: LlamaForCausalLM, tokenizer: Tokenizer | None, out_dir: str) -> str:
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    dtype = model.embed_tokens.weight.dtype
+    save_file(hf_state_dict(model), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config(model.config, dtype), f, indent=2)
+    if tokenizer is not None:
+        tokenizer.backend.save(os.path.join(out_dir, "tokenizer.json"))
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": tokenizer.id_to_token(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else None,
+            "eos_token": tokenizer.id_to_token(tokenizer.eos_token_ids[0]) if tokenizer.eos_token_ids else None,
+            "add_bos_token": tokenizer.add_bos_token,
+            "chat_template": tokenizer.chat_template,
+        }
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(tok_cfg, f, indent=2)
+    return out_dir

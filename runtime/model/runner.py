@@ -1,0 +1,106 @@
+"""Executes one scheduled step: builds the flat batch, runs the model, returns logits.
+
+It owns the KV cache tensors and the mapping from block ids to cache slots; it makes
+no scheduling decisions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantpipe.runtime.engine.scheduler import ScheduledChunk
+from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from quantpipe.runtime.model.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @staticmethod
+    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run the chunks; returns the chunks that sample and their logits [R, V] (float32)."""
+        # Decodes (single-token chunks) first, by context length, so they batch into a few calls.
+        decodes = sorted((c for c in chunks if c.num_tokens == 1 and c.start > 0), key=lambda c: c.end)
+        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        for c in ordered:
+            input_ids.extend(c.request.token_ids[c.start:c.end])
+            positions.extend(range(c.start, c.end))
+            slot_mapping.extend(self._slots(c.request.block_ids, c.start, c.end))
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev), block_size=self.block_size)
+        row = 0
+        for group in _group_by_length(decodes):
+            table, mask = self._decode_tables(group)
+            meta.decodes.append(DecodeGroup(row, len(group), table, mask))
+            row += len(group)
+        for c in prefills:
+            span = PrefillSpan(row, c.num_tokens, c.end, None)
+            if c.start > 0:  # earlier tokens are in the cache: read them, mask causally from `start`
+                num_blocks = -(-c.end // self.block_size)
+                span.block_table = torch.tensor(c.request.block_ids[:num_blocks], device=dev)
+                q_pos = torch.arange(c.start, c.end, device=dev).unsqueeze(1)
+                span.mask = torch.arange(num_blocks * self.block_size, device=dev).unsqueeze(0) <= q_pos
+            meta.prefills.append(span)
+            row += c.num_tokens
+        sampled, logit_rows, row = [], [], 0
+        for c in ordered:
+            row += c.num_tokens
+            if c.sample:
+                sampled.append(c)
+                logit_rows.append(row - 1)
+        logits = self.model(
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            self.kv_caches,
+            meta,
+            torch.tensor(logit_rows, device=dev, dtype=torch.long),
+        )
+        return sampled, logits
+
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        ctx = [c.end for c in decodes]
+        max_blocks = -(-max(ctx) // bs)
+        # Padding entries point at block 0; the mask hides whatever it holds.
+        table = torch.tensor(
+            [c.request.block_ids[:max_blocks] + [0] * (max_blocks - len(c.request.block_ids)) for c in decodes],
+            device=self.device,
+        )
+        lens = torch.tensor(ctx, device=self.device).unsqueeze(1)
+        mask = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens
+        return table, mask[:, None, None, :]
+
+def _group_by_length(decodes: list[ScheduledChunk], min_group: int = 8, max_ratio: float = 1.5) -> list[list[ScheduledChunk]]:
+    """Split length-sorted decodes where padding to the group's longest would waste a lot.
+
+    Each extra group costs one attention call per layer, so small groups are merged.
+    """
+    groups: list[list[ScheduledChunk]] = []
+    for c in decodes:
+        if groups and (len(groups[-1]) < min_group or c.end <= max_ratio * groups[-1][0].end):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups

@@ -1,8 +1,0 @@
-"""tokenmill: serve LLMs cheaply and predictably."""
-
-from tokenmill.llm import LLM
-from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import SamplingParams
-
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"
