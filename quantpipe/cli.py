@@ -9,6 +9,7 @@ import click
 
 from quantpipe import __version__
 from quantpipe.calibrate.cli import calibrate_command
+from quantpipe.quantize.cli import quantize_command
 from quantpipe.runtime.bench.cli import bench
 from quantpipe.runtime.cli import export_hf, generate
 from quantpipe.runtime.server.cli import serve_command
@@ -20,12 +21,13 @@ from quantpipe.runtime.utils import run_click
 def cli() -> None:
     """Quantize LLMs calibrated on production traffic; verify, gate and publish them.
 
-    Stages: calibrate. Runtime: serve, generate, bench, export-hf.
+    Stages: calibrate, quantize. Runtime: serve, generate, bench, export-hf.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 cli.add_command(calibrate_command)
+cli.add_command(quantize_command)
 cli.add_command(serve_command)
 cli.add_command(generate)
 cli.add_command(export_hf)

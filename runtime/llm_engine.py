@@ -85,7 +85,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.device)
         if args.block_size < 1 or args.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {args.block_size}")
-        model, self.model_config, self.tokenizer = load_model(args.model, self.dtype)
+        model, self.model_config, self.tokenizer = load_model(args.model, self.dtype, self.device)
         model.to(self.device)
         cfg = self.model_config
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings

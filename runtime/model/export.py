@@ -63,14 +63,19 @@ def export_hf(model: LlamaForCausalLM, tokenizer: Tokenizer | None, out_dir: str
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config(model.config, dtype), f, indent=2)
     if tokenizer is not None:
-        tokenizer.backend.save(os.path.join(out_dir, "tokenizer.json"))
-        tok_cfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": tokenizer.id_to_token(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else None,
-            "eos_token": tokenizer.id_to_token(tokenizer.eos_token_ids[0]) if tokenizer.eos_token_ids else None,
-            "add_bos_token": tokenizer.add_bos_token,
-            "chat_template": tokenizer.chat_template,
-        }
-        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump(tok_cfg, f, indent=2)
+        export_tokenizer(tokenizer, out_dir)
     return out_dir
+
+
+def export_tokenizer(tokenizer: Tokenizer, out_dir: str) -> None:
+    """tokenizer.json and tokenizer_config.json (with the chat template) into out_dir."""
+    tokenizer.backend.save(os.path.join(out_dir, "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokenizer.id_to_token(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else None,
+        "eos_token": tokenizer.id_to_token(tokenizer.eos_token_ids[0]) if tokenizer.eos_token_ids else None,
+        "add_bos_token": tokenizer.add_bos_token,
+        "chat_template": tokenizer.chat_template,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tok_cfg, f, indent=2)

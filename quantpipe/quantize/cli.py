@@ -1,0 +1,43 @@
+"""`quantpipe quantize`: a thin layer over quantize(model, QuantConfig, calib)."""
+
+from __future__ import annotations
+
+import click
+
+from quantpipe.manifest import StageError
+from quantpipe.quantize.config import CLIPS, METHODS, SCHEMES, QuantConfig
+
+
+@click.command("quantize", help="Quantize a model's weights into a compressed-tensors artifact.")
+@click.argument("model", required=False, default=None)
+@click.option("--scheme", type=click.Choice(SCHEMES), default="W4A16", show_default=True)
+@click.option("--group-size", type=int, default=None,
+              help="32, 64 or 128 [default: W4A16 128 if it divides every layer, else 64, else 32; W8 per channel]")
+@click.option("--symmetric/--asymmetric", default=True, show_default=True)
+@click.option("--method", type=click.Choice(METHODS), default="rtn", show_default=True)
+@click.option("--clip", type=click.Choice(CLIPS), default="minmax", show_default=True, help="RTN range")
+@click.option("--dampening", type=float, default=0.01, show_default=True, help="GPTQ: x mean Hessian diagonal")
+@click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal")
+@click.option("--calib", default=None, help="calibration set folder (quantpipe calibrate) or a text file")
+@click.option("--calib-samples", type=int, default=128, show_default=True)
+@click.option("--calib-seq-len", type=int, default=512, show_default=True)
+@click.option("--quantize-lm-head", is_flag=True, help="also quantize lm_head (untied models only)")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              show_default=True, help="scales and unquantized tensors")
+@click.option("--out", required=True, help="artifact folder (written only when complete)")
+@click.option("--overwrite", is_flag=True, help="replace an existing --out folder")
+def quantize_command(model, calib, out, overwrite, **options) -> int:
+    from quantpipe.quantize.stage import quantize
+
+    try:
+        cfg = QuantConfig(**options)
+        if cfg.method == "gptq" and calib is None:
+            raise StageError("--calib: GPTQ needs calibration data (a quantpipe calibrate set or a text file)")
+        art = quantize(model, cfg, calib, out, overwrite=overwrite)
+    except StageError as e:
+        click.echo(f"quantpipe quantize: {e}", err=True)
+        return 2
+    m = art.manifest
+    click.echo(f"{m['weights']} ({m['method']}) over {len(m['layers'])} linears: {m['bytes']['ratio']:.1%} of "
+               f"their bf16 bytes; {sum(m['time_s'].values()):.1f}s -> {art.path}")
+    return 0

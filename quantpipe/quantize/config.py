@@ -1,0 +1,74 @@
+"""QuantConfig: the scheme and method of one `quantpipe quantize` run, validated once.
+
+Scheme names are compressed-tensors' presets: W8A16 (INT8 weights per output channel,
+or by group), W4A16 (INT4 by group), W8A8 (INT8 weights per channel, dynamic per-token
+INT8 activations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from quantpipe.manifest import StageError
+from quantpipe.quantize.rtn import WeightScheme
+
+SCHEMES = ("W8A16", "W4A16", "W8A8")
+METHODS = ("rtn", "gptq")
+GROUP_SIZES = (32, 64, 128)
+CLIPS = ("minmax", "mse")
+
+
+@dataclass
+class QuantConfig:
+    scheme: str = "W4A16"
+    group_size: int | None = None  # W4A16: 128 where it divides every layer, else 64, else 32; W8: per channel
+    symmetric: bool = True
+    method: str = "rtn"
+    clip: str = "minmax"  # RTN's range: min-max, or the MSE-optimal shrink
+    dampening: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added to it
+    block_size: int = 128  # GPTQ: columns per lazy-update block
+    act_order: bool = False  # GPTQ: quantize columns by decreasing Hessian diagonal
+    calib_samples: int = 128
+    calib_seq_len: int = 512
+    quantize_lm_head: bool = False
+    dtype: str = "bfloat16"  # scales and unquantized tensors in the artifact (what vLLM serves)
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise StageError(f"scheme must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
+        if self.scheme == "W8A8":
+            raise StageError("scheme W8A8 is not implemented yet; use W8A16 or W4A16")
+        if self.method not in METHODS:
+            raise StageError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.clip not in CLIPS:
+            raise StageError(f"clip must be one of {', '.join(CLIPS)}; got {self.clip!r}")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise StageError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))} (or unset for "
+                             f"per-channel W8); got {self.group_size}")
+        if not 0 < self.dampening < 1:
+            raise StageError(f"dampening must be in (0, 1), got {self.dampening}")
+        if self.block_size < 1:
+            raise StageError(f"block_size must be >= 1, got {self.block_size}")
+        for name in ("calib_samples", "calib_seq_len"):
+            if getattr(self, name) < 1:
+                raise StageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise StageError(f"dtype must be bfloat16, float16 or float32; got {self.dtype!r}")
+
+    @property
+    def num_bits(self) -> int:
+        return 4 if self.scheme == "W4A16" else 8
+
+    def weight_scheme(self, in_features: list[int]) -> WeightScheme:
+        """The grid for this model: the group size resolved against every layer's input size."""
+        gs = self.group_size
+        if self.num_bits == 4 and gs is None:
+            gs = next((g for g in (128, 64, 32) if all(k % g == 0 for k in in_features)), None)
+            if gs is None:
+                raise StageError(f"no group size of 128, 64 or 32 divides every layer's input size "
+                                 f"{sorted(set(in_features))}")
+        return WeightScheme(self.num_bits, gs, self.symmetric)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,96 @@
+"""GPTQ (Frantar et al., 2022): quantize a Linear's columns one at a time, pushing each
+column's rounding error onto the columns not yet quantized through the inverse Hessian
+of the layer's inputs, H = 2 X^T X / n.
+
+Details that matter: dampening adds `dampening` x mean(diag H) to the diagonal (retried
+10x larger when the Cholesky factorization fails); columns are processed in blocks with
+a lazy update of the rest (block size a multiple of the group size, so a group's scale is
+computed from its already-updated weights); act-order quantizes columns by decreasing
+Hessian diagonal but keeps each column's group and scale of the original order (what
+compressed-tensors calls actorder "weight": no g_idx, any kernel reads it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantpipe.quantize.rtn import WeightScheme, dequantize, qparams, quantize
+
+
+class HessianError(RuntimeError):
+    pass
+
+
+def inverse_hessian_cholesky(h: torch.Tensor, dampening: float, retries: int = 4) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of H^-1 after dampening; (factor, dampening actually used)."""
+    mean_diag = torch.mean(torch.diag(h)).item()
+    damp = dampening
+    for _ in range(retries):
+        hd = h.clone()
+        hd.diagonal().add_(damp * mean_diag)
+        try:
+            low = torch.linalg.cholesky(hd)
+            inv = torch.cholesky_inverse(low)
+            return torch.linalg.cholesky(inv, upper=True), damp
+        except torch.linalg.LinAlgError:
+            damp *= 10
+    raise HessianError(f"the Hessian is not positive definite even with dampening {damp / 10:g}")
+
+
+def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: float = 0.01, block_size: int = 128,
+         act_order: bool = False, scale_dtype: torch.dtype = torch.float32):
+    """(q int8 [N, K], scale [N, G], zero or None, dampening used) for weight w [N, K]."""
+    w = w.detach().float().clone()
+    h = h.detach().double().clone()
+    n, k = w.shape
+    gs = scheme.group_size or k
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    if block_size % gs and gs % block_size:
+        raise ValueError(f"block_size {block_size} and group_size {gs} must divide one another")
+
+    if act_order:
+        # Scales from the original weights, fixed before any column moves (static groups).
+        scale, zero = qparams(w, scheme)
+        scale = scale.to(scale_dtype).float()
+        perm = torch.argsort(torch.diag(h), descending=True)
+    else:
+        scale, zero, perm = None, None, torch.arange(k)
+    inv_perm = torch.argsort(perm)
+    w = w[:, perm]
+    h = h[perm][:, perm]
+    hinv, used = inverse_hessian_cholesky(h, dampening)
+    hinv = hinv.float()
+    group_of = (perm // gs)  # original group of each (permuted) column
+    if not act_order:
+        scale = torch.zeros(n, k // gs)
+        zero = torch.zeros(n, k // gs) if not scheme.symmetric else None
+    q_out = torch.zeros(n, k, dtype=torch.int8)
+    step = max(block_size, gs) if not act_order else block_size
+    one_col = WeightScheme(scheme.num_bits, 1, scheme.symmetric)
+    for i1 in range(0, k, step):
+        i2 = min(i1 + step, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if not act_order and col % gs == 0:
+                # The group's grid, from its weights as updated so far.
+                s, z = qparams(w1[:, i:i + gs], WeightScheme(scheme.num_bits, None, scheme.symmetric))
+                g = col // gs
+                scale[:, g] = s[:, 0].to(scale_dtype).float()
+                if zero is not None:
+                    zero[:, g] = z[:, 0]
+            g = group_of[col]
+            s_col = scale[:, g:g + 1]
+            z_col = None if zero is None else zero[:, g:g + 1]
+            wc = w1[:, i:i + 1]
+            qc = quantize(wc, s_col, z_col, one_col)
+            q_out[:, col] = qc[:, 0]
+            err = (wc - dequantize(qc, s_col, z_col, one_col)) / hinv1[i, i]
+            w1[:, i:] -= err @ hinv1[i:i + 1, i:]
+            err1[:, i:i + 1] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    return q_out[:, inv_perm].contiguous(), scale, zero, used

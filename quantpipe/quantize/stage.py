@@ -1,0 +1,291 @@
+"""`quantize(model, QuantConfig, calib) -> Artifact`: weights onto an integer grid, written as a
+compressed-tensors checkpoint the runtime (and vLLM) load.
+
+Fused projections (q/k/v, gate/up) are quantized as one matrix: rows are independent
+under both RTN and GPTQ (groups run along the input dimension and GPTQ's error
+feedback too), so this equals quantizing each projection alone, and the artifact stores
+them unfused under the source checkpoint's names, as vLLM expects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quantpipe.manifest import (
+    MANIFEST_VERSION,
+    StageError,
+    code_version,
+    sha256_bytes,
+    sha256_file,
+    staged_output,
+    write_json,
+)
+from quantpipe.quantize.config import QuantConfig
+from quantpipe.quantize.gptq import HessianError, gptq
+from quantpipe.quantize.pack import pack_int32
+from quantpipe.quantize.rtn import WeightScheme, rtn
+from quantpipe.runtime.model.export import export_tokenizer, hf_config, hf_state_dict
+from quantpipe.runtime.model.forward import SequencePass
+from quantpipe.runtime.model.quantized import QuantWeight
+
+log = logging.getLogger("quantpipe.quantize")
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass
+class Artifact:
+    path: Path
+    manifest: dict
+
+
+def artifact_sha256(path: str | os.PathLike) -> str:
+    """One hash over the files that define the model (not the manifest, which records timings)."""
+    path = Path(path)
+    parts = []
+    for f in sorted(p for p in path.iterdir() if p.is_file() and p.name not in ("quantpipe.json", "kernels.json")):
+        parts.append(f"{f.name}:{sha256_file(f)}")
+    return sha256_bytes("\n".join(parts).encode())
+
+
+def _source_sha256(path: str) -> str:
+    if os.path.isfile(path):
+        return sha256_file(path)
+    return artifact_sha256(path)
+
+
+def calibration_texts(calib: str | None) -> tuple[list[str], dict]:
+    """Texts from a `quantpipe calibrate` set (its calib.jsonl), or any text file ("generic")."""
+    if calib is None:
+        return [], {"kind": "none"}
+    p = Path(calib)
+    if p.is_dir():
+        f = p / "calib.jsonl"
+        if not f.exists():
+            raise StageError(f"--calib {calib}: not a calibration set (no calib.jsonl); make one with "
+                             f"`quantpipe calibrate`")
+        texts = [json.loads(line)["text"] for line in f.read_text(encoding="utf-8").splitlines() if line]
+        manifest = json.loads((p / "manifest.json").read_text()) if (p / "manifest.json").exists() else {}
+        return texts, {"kind": "calibrate", "path": str(p), "sha256": sha256_file(f),
+                       "manifest_sha256": sha256_file(p / "manifest.json") if (p / "manifest.json").exists() else None,
+                       "strata": [s["name"] for s in manifest.get("strata", [])]}
+    if p.is_file():
+        text = p.read_text(encoding="utf-8", errors="replace")
+        paras = [t.strip() for t in text.split("\n\n") if t.strip()]
+        return paras, {"kind": "generic", "path": str(p), "sha256": sha256_file(p)}
+    raise StageError(f"--calib {calib}: no such file or folder")
+
+
+def _token_samples(texts: list[str], tokenizer, cfg: QuantConfig) -> list[list[int]]:
+    """calib_samples sequences of at most calib_seq_len tokens, texts in a seeded order."""
+    order = np.random.default_rng(0).permutation(len(texts))
+    out = []
+    for i in order:
+        ids = tokenizer.encode(texts[i])[: cfg.calib_seq_len]
+        if len(ids) >= 8:
+            out.append(ids)
+        if len(out) == cfg.calib_samples:
+            break
+    return out
+
+
+def _split_rows(qw: QuantWeight, sizes: list[int]) -> list[QuantWeight]:
+    out, start = [], 0
+    for s in sizes:
+        rows = slice(start, start + s)
+        out.append(QuantWeight(qw.q[rows], qw.scale[rows], None if qw.zero is None else qw.zero[rows],
+                               qw.num_bits, qw.group_size))
+        start += s
+    return out
+
+
+def _hf_parts(model, name: str) -> list[tuple[str, int]]:
+    """HF module names (and row counts) that our fused module `name` stands for."""
+    cfg = model.config
+    if name == "lm_head":
+        return [("lm_head", cfg.vocab_size)]
+    i = name.split(".")[1]
+    base = f"model.layers.{i}."
+    if name.endswith("qkv_proj"):
+        qs, kvs = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [(base + "self_attn.q_proj", qs), (base + "self_attn.k_proj", kvs), (base + "self_attn.v_proj", kvs)]
+    if name.endswith("gate_up_proj"):
+        return [(base + "mlp.gate_proj", cfg.intermediate_size), (base + "mlp.up_proj", cfg.intermediate_size)]
+    return [(base + name.split(".", 2)[2], None)]
+
+
+def _gptq_all(model, samples: list[list[int]], scheme: WeightScheme, cfg: QuantConfig,
+              scale_dtype: torch.dtype, names: list[str]) -> tuple[dict[str, QuantWeight], dict]:
+    """Layer by layer: Hessians from inputs that already passed the quantized earlier layers."""
+    passes = [SequencePass(model, ids) for ids in samples]
+    with torch.inference_mode():
+        xs = [p.embed() for p in passes]
+    out: dict[str, QuantWeight] = {}
+    damp_used: dict[str, float] = {}
+    for i, layer in enumerate(model.layers):
+        mods = {f"layers.{i}.{n}": layer.get_submodule(n) for n in LINEARS}
+        hs = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in mods.items()}
+        count = {"n": 0}
+
+        def hook(name):
+            def f(module, inputs, output):
+                x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+                hs[name].add_(x.t() @ x)
+            return f
+
+        handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
+        with torch.inference_mode():
+            for p, x in zip(passes, xs):
+                p.layer(i, x)
+                count["n"] += x.shape[0]
+        for hnd in handles:
+            hnd.remove()
+        for name, mod in mods.items():
+            h = (2 * hs[name] / count["n"]).float()
+            try:
+                q, scale, zero, used = gptq(mod.weight, h, scheme, cfg.dampening, cfg.block_size, cfg.act_order,
+                                            scale_dtype)
+            except HessianError as e:
+                raise StageError(f"{name}: {e}") from None
+            qw = QuantWeight(q, scale, zero, scheme.num_bits, scheme.group_size)
+            out[name] = qw
+            damp_used[name] = used
+            with torch.no_grad():  # later layers calibrate on this layer's quantized outputs
+                mod.weight.copy_(qw.dequantize(mod.weight.dtype))
+        with torch.inference_mode():
+            xs = [p.layer(i, x) for p, x in zip(passes, xs)]
+        log.info("GPTQ layer %d/%d done", i + 1, len(model.layers))
+    if "lm_head" in names:
+        qw = rtn(model.lm_head.weight, scheme)
+        out["lm_head"] = QuantWeight(qw[0], qw[1], qw[2], scheme.num_bits, scheme.group_size)
+    return out, damp_used
+
+
+def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, overwrite: bool = False,
+             calib_token_ids: list[list[int]] | None = None) -> Artifact:
+    """Quantize `model` (GGUF, HF folder, or None for the default model) into the artifact folder `out`.
+
+    `calib` is a `quantpipe calibrate` folder or a text file; `calib_token_ids` gives token
+    sequences directly instead (for models without a tokenizer).
+    """
+    from quantpipe.runtime.model.loader import load_model, resolve_model_path
+
+    t_start = time.perf_counter()
+    phases: dict[str, float] = {}
+    if Path(out).exists() and not overwrite:
+        raise StageError(f"--out {out} already exists (pass --overwrite to replace it)")
+    try:
+        src = resolve_model_path(model)
+        net, mcfg, tokenizer = load_model(model, torch.float32)
+    except (ValueError, FileNotFoundError) as e:
+        raise StageError(f"model: {e}") from None
+    phases["load_s"] = time.perf_counter() - t_start
+    names = [f"layers.{i}.{n}" for i in range(mcfg.num_layers) for n in LINEARS]
+    if cfg.quantize_lm_head:
+        if mcfg.tie_word_embeddings:
+            raise StageError("quantize_lm_head: this model ties lm_head to the embeddings, which stay unquantized")
+        names.append("lm_head")
+    in_features = [net.get_submodule(n).in_features for n in names]
+    scheme = cfg.weight_scheme(in_features)
+    if scheme.group_size:
+        for n, k in zip(names, in_features):
+            if k % scheme.group_size:
+                raise StageError(f"group_size {scheme.group_size} does not divide the input size {k} of {n}")
+    scale_dtype = getattr(torch, cfg.dtype)
+
+    texts, calib_info = calibration_texts(calib)
+    t = time.perf_counter()
+    damp_used: dict[str, float] = {}
+    if cfg.method == "gptq":
+        if calib_token_ids is not None:
+            samples = [list(s)[: cfg.calib_seq_len] for s in calib_token_ids[: cfg.calib_samples]]
+            calib_info = {"kind": "token_ids", "sha256": sha256_bytes(json.dumps(samples).encode())}
+        elif tokenizer is None:
+            raise StageError("model: GPTQ needs the model's tokenizer to encode the calibration texts")
+        else:
+            samples = _token_samples(texts, tokenizer, cfg)
+        need = 2 * max(in_features)
+        got = sum(map(len, samples))
+        if got < need:
+            raise StageError(f"--calib {calib}: {got} calibration tokens; GPTQ needs at least {need} "
+                             f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
+        calib_info["samples"], calib_info["tokens"] = len(samples), got
+        quantized, damp_used = _gptq_all(net, samples, scheme, cfg, scale_dtype, names)
+    else:
+        quantized = {}
+        for n in names:
+            q, scale, zero = rtn(net.get_submodule(n).weight, scheme, cfg.clip)
+            quantized[n] = QuantWeight(q, scale.to(scale_dtype).float(), zero, scheme.num_bits, scheme.group_size)
+    phases["quantize_s"] = time.perf_counter() - t
+
+    # -- the checkpoint: unfused HF names, packed integers, scales in the artifact dtype ----
+    t = time.perf_counter()
+    state = {k: v.to(scale_dtype) for k, v in hf_state_dict(net).items()}
+    layers_table = {}
+    for name, qw in quantized.items():
+        parts = _hf_parts(net, name)
+        sizes = [s if s is not None else qw.q.shape[0] for _, s in parts]
+        for (hf_name, _), part in zip(parts, _split_rows(qw, sizes)):
+            state.pop(hf_name + ".weight", None)
+            state[hf_name + ".weight_packed"] = pack_int32(part.q, scheme.num_bits)
+            state[hf_name + ".weight_scale"] = part.scale.to(scale_dtype).contiguous()
+            state[hf_name + ".weight_shape"] = torch.tensor(list(part.q.shape), dtype=torch.int64)
+            if part.zero is not None:
+                state[hf_name + ".weight_zero_point"] = pack_int32(part.zero.to(torch.int8), scheme.num_bits, dim=0)
+            layers_table[hf_name] = {"scheme": scheme.describe(), "shape": list(part.q.shape),
+                                     "dampening": damp_used.get(name)}
+    weight_args = {"num_bits": scheme.num_bits, "type": "int", "symmetric": scheme.symmetric,
+                   "strategy": "group" if scheme.group_size else "channel", "group_size": scheme.group_size,
+                   "dynamic": False, "actorder": "weight" if cfg.act_order and cfg.method == "gptq" else None,
+                   "observer": "mse" if cfg.clip == "mse" else "minmax", "block_structure": None}
+    qconfig = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args, "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+        "ignore": [] if "lm_head" in names else ["lm_head"], "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+    config = hf_config(mcfg, scale_dtype)
+    config["quantization_config"] = qconfig
+    quant_bytes = sum(state[f"{n}.{t}"].numel() * state[f"{n}.{t}"].element_size() for n in layers_table
+                      for t in ("weight_packed", "weight_scale", "weight_zero_point") if f"{n}.{t}" in state)
+    bf16_bytes = sum(2 * int(np.prod(v["shape"])) for v in layers_table.values())
+    with staged_output(out, overwrite=overwrite) as tmp:
+        from safetensors.torch import save_file
+
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer is not None:
+            export_tokenizer(tokenizer, str(tmp))
+        phases["write_s"] = time.perf_counter() - t
+        manifest = {
+            "stage": "quantize", "manifest_version": MANIFEST_VERSION, "code_version": code_version(),
+            "source_model": {"path": os.path.basename(os.path.normpath(src)), "sha256": _source_sha256(src),
+                             "architecture": mcfg.architecture},
+            "scheme": cfg.scheme, "weights": scheme.describe(), "method": cfg.method, "parameters": cfg.to_dict(),
+            "group_size": scheme.group_size, "calibration": calib_info, "layers": layers_table,
+            "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
+                      "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},
+            "time_s": {k: round(v, 2) for k, v in phases.items()},
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        }
+        manifest["artifact_sha256"] = artifact_sha256(tmp)
+        write_json(tmp / "quantpipe.json", manifest)
+    log.info("quantized %d linears (%s, %s) into %s in %.1fs", len(layers_table), scheme.describe(), cfg.method,
+             out, time.perf_counter() - t_start)
+    return Artifact(Path(out), manifest)
+
+
+def load_manifest(path: str | os.PathLike) -> dict:
+    try:
+        return json.loads((Path(path) / "quantpipe.json").read_text())
+    except OSError:
+        raise StageError(f"{path}: not a quantpipe artifact (no quantpipe.json)") from None

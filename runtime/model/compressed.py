@@ -1,0 +1,124 @@
+"""Reading compressed-tensors checkpoints (quantpipe's artifacts and llm-compressor's).
+
+`quantization_config` in config.json says which Linear modules are quantized and how
+(`config_groups`: targets, weight args; `ignore`); each quantized module stores
+`weight_packed` (int32, `pack-quantized`) or an int8 `weight` (`int-quantized`), with
+`weight_scale`, `weight_zero_point` when asymmetric, and `weight_shape`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from quantpipe.runtime.model.quantized import QuantWeight
+
+FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "mixed-precision")
+
+
+def _pack_factor(bits: int) -> int:
+    return 32 // bits
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, dim: int = 1) -> torch.Tensor:
+    """int32 words (lowest bits first, unsigned offset 2^(b-1)) -> signed int8 values."""
+    if dim == 0:
+        return unpack_int32(packed.t(), num_bits, size, 1).t().contiguous()
+    p = _pack_factor(num_bits)
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(p, dtype=torch.int64) * num_bits
+    u = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
+    return (u.reshape(packed.shape[0], -1)[:, :size] - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def _matches(name: str, targets: list[str], class_name: str = "Linear") -> bool:
+    for t in targets:
+        if t.startswith("re:"):
+            if re.match(t[3:], name):
+                return True
+        elif t == class_name or t == name or name.endswith("." + t):
+            return True
+    return False
+
+
+def scheme_of(qcfg: dict, module: str) -> dict | None:
+    """The weight args of the config group that quantizes `module` (an HF name), or None."""
+    if _matches(module, qcfg.get("ignore") or []):
+        return None
+    best = None
+    for group in (qcfg.get("config_groups") or {}).values():
+        targets = group.get("targets") or []
+        if _matches(module, targets):
+            # A regex naming the module beats the catch-all class name.
+            specific = any(t != "Linear" for t in targets if _matches(module, [t]))
+            if best is None or specific:
+                best = group
+    return best
+
+
+def validate(qcfg: dict) -> None:
+    if qcfg.get("quant_method") != "compressed-tensors":
+        raise ValueError(f"quantization_config.quant_method {qcfg.get('quant_method')!r} is not supported; "
+                         f"only compressed-tensors")
+    fmt = qcfg.get("format")
+    if fmt not in FORMATS:
+        raise ValueError(f"quantization_config.format {fmt!r} is not supported; supported: {', '.join(FORMATS)}")
+    for name, group in (qcfg.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
+            raise ValueError(f"quantization_config.config_groups.{name}.weights: int4 or int8 weights only, "
+                             f"got {w.get('type')} {w.get('num_bits')}")
+        if w.get("strategy") not in ("channel", "group"):
+            raise ValueError(f"quantization_config.config_groups.{name}.weights.strategy {w.get('strategy')!r}: "
+                             f"channel or group only")
+        if w.get("actorder") == "group":
+            raise ValueError(f"quantization_config.config_groups.{name}.weights.actorder 'group' (g_idx) is not "
+                             f"supported; 'weight' is")
+
+
+def read_quantized(state: dict[str, torch.Tensor], qcfg: dict, module: str) -> QuantWeight | None:
+    """Pop `module`'s quantized tensors from `state` into a QuantWeight (None: not quantized)."""
+    group = scheme_of(qcfg, module)
+    if group is None:
+        return None
+    w = group["weights"]
+    bits, strategy = w["num_bits"], w["strategy"]
+    gs = w.get("group_size") if strategy == "group" else None
+    fmt = group.get("format") or qcfg.get("format")
+    p = module + "."
+    scale = state.pop(p + "weight_scale", None)
+    if scale is None:
+        raise ValueError(f"{p}weight_scale is missing for a quantized layer")
+    shape = state.pop(p + "weight_shape", None)
+    if fmt == "pack-quantized" or p + "weight_packed" in state:
+        packed = state.pop(p + "weight_packed", None)
+        if packed is None or shape is None:
+            raise ValueError(f"{p}weight_packed / weight_shape missing for a pack-quantized layer")
+        n, k = (int(v) for v in shape.tolist())
+        if packed.dtype != torch.int32 or packed.shape[0] != n or packed.shape[1] != -(-k // _pack_factor(bits)):
+            raise ValueError(f"{p}weight_packed has shape {tuple(packed.shape)} {packed.dtype}; expected int32 "
+                             f"[{n}, {-(-k // _pack_factor(bits))}] for {bits}-bit weights of shape [{n}, {k}]")
+        q = unpack_int32(packed, bits, k)
+    else:
+        q = state.pop(p + "weight", None)
+        if q is None or q.dtype != torch.int8:
+            raise ValueError(f"{p}weight must be int8 in an int-quantized layer")
+        n, k = q.shape
+    groups = k // gs if gs else 1
+    if gs and k % gs:
+        raise ValueError(f"{p}: group_size {gs} does not divide the input size {k}")
+    if tuple(scale.shape) != (n, groups):
+        raise ValueError(f"{p}weight_scale has shape {tuple(scale.shape)}; expected [{n}, {groups}]")
+    zero = state.pop(p + "weight_zero_point", None)
+    if w.get("symmetric", True):
+        zero = None
+    else:
+        if zero is None:
+            raise ValueError(f"{p}weight_zero_point is missing for an asymmetric layer")
+        if zero.dtype == torch.int32 and fmt == "pack-quantized":
+            zero = unpack_int32(zero, bits, n, dim=0)
+        if tuple(zero.shape) != (n, groups):
+            raise ValueError(f"{p}weight_zero_point has shape {tuple(zero.shape)}; expected [{n}, {groups}]")
+    state.pop(p + "weight_g_idx", None)  # actorder 'weight' keeps the plain column order
+    return QuantWeight(q, scale.float(), None if zero is None else zero.float(), bits, gs)

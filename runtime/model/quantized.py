@@ -1,0 +1,149 @@
+"""Quantized Linear modules and the handler that swaps them into a loaded model.
+
+The model code never learns about quantization (gpt-fast's shape): the loader builds
+the model as usual, then `swap_linears` replaces each quantized `nn.Linear` with the
+module the artifact's format calls for. The kernel is chosen from the format, never
+guessed, and each choice is logged once at load:
+
+- `int8pack`: W8 per output channel, symmetric -> torch._weight_int8pack_mm
+- `int4pack`: W4 with a group size of 32/64/128/256 dividing K -> torch's CPU int4 mm
+  (its zero convention, w = (u - 8) * scale + zero with a float zero, is converted from
+  compressed-tensors' integer zero point at load)
+- `dequant`: anything else (other group sizes, W8 by group, CUDA until the Triton
+  kernels are built): weights dequantized once to the model dtype, then plain F.linear.
+
+torch's CPU int kernels are fast only with bf16 activations: with float32 ones they ran
+10-60x slower than float32 F.linear (measured), so a float32 model takes `dequant`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+log = logging.getLogger("quantpipe.runtime")
+
+INT4_GROUPS = (32, 64, 128, 256)
+
+
+@dataclass
+class QuantWeight:
+    """One Linear's weights on an integer grid: w ~ (q - zero) * scale per group along K."""
+
+    q: torch.Tensor  # int8 [N, K], values in [-2^(b-1), 2^(b-1) - 1]
+    scale: torch.Tensor  # [N, G]
+    zero: torch.Tensor | None  # [N, G] integer-valued, None when symmetric
+    num_bits: int
+    group_size: int | None  # None: per output channel
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.q.shape
+        gs = self.group_size or k
+        g = self.q.float().reshape(n, k // gs, gs)
+        if self.zero is not None:
+            g = g - self.zero.float().unsqueeze(-1)
+        return (g * self.scale.float().unsqueeze(-1)).reshape(n, k).to(dtype)
+
+    @staticmethod
+    def cat(parts: list[QuantWeight]) -> QuantWeight:
+        """Stack along the output dimension (q/k/v or gate/up fused into one matmul)."""
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.num_bits, p.group_size, p.zero is None) != (first.num_bits, first.group_size, first.zero is None):
+                raise ValueError("fused projections (q/k/v or gate/up) must share one quantization scheme")
+        zero = None if first.zero is None else torch.cat([p.zero for p in parts], 0)
+        return QuantWeight(torch.cat([p.q for p in parts], 0), torch.cat([p.scale for p in parts], 0), zero,
+                           first.num_bits, first.group_size)
+
+
+class Int8PackLinear(nn.Module):
+    kernel = "int8pack"
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = qw.q.shape
+        self.register_buffer("weight_int8", qw.q.contiguous())
+        self.register_buffer("scales", qw.scale.reshape(-1).to(dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight_int8, self.scales.to(x.dtype))
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4PackLinear(nn.Module):
+    kernel = "int4pack"
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = qw.q.shape
+        self.group_size = qw.group_size
+        u = (qw.q.to(torch.int32) + 8).contiguous()  # 0..15, the op's unsigned nibbles
+        self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(u, 1))
+        scale = qw.scale.float()
+        zero = torch.zeros_like(scale) if qw.zero is None else -qw.zero.float() * scale
+        # [K / group, N, 2]: (scale, zero) per group and output channel.
+        self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], -1).to(dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.weight_int4, self.group_size,
+                                              self.scales_zeros.to(x.dtype))
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class DequantLinear(nn.Linear):
+    """Dequantized once at load: the fallback for formats without a fast kernel here."""
+
+    kernel = "dequant"
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+        n, k = qw.q.shape
+        super().__init__(k, n, bias=bias is not None, device="meta")
+        self.weight = nn.Parameter(qw.dequantize(dtype), requires_grad=False)
+        if bias is not None:
+            self.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+
+
+def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype) -> type[nn.Module]:
+    """The module for this weight format on this device: a fast kernel, or the fallback."""
+    n, k = qw.q.shape
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return DequantLinear  # CUDA: the Triton kernels of quantpipe.kernels, once built
+    if qw.num_bits == 8 and qw.group_size is None and qw.zero is None:
+        return Int8PackLinear
+    if qw.num_bits == 4 and qw.group_size in INT4_GROUPS and k % qw.group_size == 0 and n % 16 == 0:
+        return Int4PackLinear
+    return DequantLinear
+
+
+def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch.dtype,
+                 device: torch.device, force_kernel: str | None = None) -> dict[str, str]:
+    """Replace model.<name> (an nn.Linear) by a quantized module for each entry; returns name -> kernel."""
+    kinds = {"int8pack": Int8PackLinear, "int4pack": Int4PackLinear, "dequant": DequantLinear}
+    chosen: dict[str, str] = {}
+    for name, qw in weights.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        if not isinstance(old, nn.Linear):
+            raise ValueError(f"{name} is not a Linear layer")
+        if tuple(qw.q.shape) != (old.out_features, old.in_features):
+            raise ValueError(f"{name}: quantized weight has shape {tuple(qw.q.shape)}, "
+                             f"the layer is {(old.out_features, old.in_features)}")
+        cls = kinds[force_kernel] if force_kernel else kernel_for(qw, device, dtype)
+        bias = None if old.bias is None or old.bias.is_meta else old.bias.detach()
+        setattr(parent, attr, cls(qw, bias, dtype).to(device))
+        chosen[name] = cls.kernel
+    summary: dict[str, int] = {}
+    for k in chosen.values():
+        summary[k] = summary.get(k, 0) + 1
+    log.info("quantized linears: %s", ", ".join(f"{n} via {k}" for k, n in sorted(summary.items())))
+    return chosen
