@@ -22,6 +22,9 @@ from quantpipe.quantize.config import CLIPS, METHODS, SCHEMES, QuantConfig
 @click.option("--calib-samples", type=int, default=128, show_default=True)
 @click.option("--calib-seq-len", type=int, default=512, show_default=True)
 @click.option("--quantize-lm-head", is_flag=True, help="also quantize lm_head (untied models only)")
+@click.option("--smoothquant-alpha", type=float, default=0.5, show_default=True,
+              help="W8A8: SmoothQuant migration strength (0 < alpha < 1)")
+@click.option("--no-smoothquant", is_flag=True, help="W8A8 without SmoothQuant")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="scales and unquantized tensors")
 @click.option("--out", required=True, help="artifact folder (written only when complete)")
@@ -29,10 +32,10 @@ from quantpipe.quantize.config import CLIPS, METHODS, SCHEMES, QuantConfig
 def quantize_command(model, calib, out, overwrite, **options) -> int:
     from quantpipe.quantize.stage import quantize
 
+    if options.pop("no_smoothquant"):
+        options["smoothquant_alpha"] = None
     try:
         cfg = QuantConfig(**options)
-        if cfg.method == "gptq" and calib is None:
-            raise StageError("--calib: GPTQ needs calibration data (a quantpipe calibrate set or a text file)")
         art = quantize(model, cfg, calib, out, overwrite=overwrite)
     except StageError as e:
         click.echo(f"quantpipe quantize: {e}", err=True)

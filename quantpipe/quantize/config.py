@@ -33,12 +33,16 @@ class QuantConfig:
     calib_seq_len: int = 512
     quantize_lm_head: bool = False
     dtype: str = "bfloat16"  # scales and unquantized tensors in the artifact (what vLLM serves)
+    smoothquant_alpha: float | None = 0.5  # W8A8: migrate activation outliers into weights; None: off
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise StageError(f"scheme must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
         if self.scheme == "W8A8":
-            raise StageError("scheme W8A8 is not implemented yet; use W8A16 or W4A16")
+            if self.group_size is not None or not self.symmetric:
+                raise StageError("scheme W8A8 takes symmetric per-channel weights (no group_size, no --asymmetric)")
+            if self.smoothquant_alpha is not None and not 0 < self.smoothquant_alpha < 1:
+                raise StageError(f"smoothquant_alpha must be in (0, 1), got {self.smoothquant_alpha}")
         if self.method not in METHODS:
             raise StageError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.clip not in CLIPS:

@@ -122,6 +122,40 @@ def _hf_parts(model, name: str) -> list[tuple[str, int]]:
     return [(base + name.split(".", 2)[2], None)]
 
 
+def smooth(model, samples: list[list[int]], alpha: float) -> dict:
+    """SmoothQuant: per input channel j, s_j = max|x_j|^alpha / max|w_j|^(1 - alpha); the
+    RMSNorm before q/k/v (and before gate/up) is divided by s and those weights' columns
+    multiplied by it, so the model computes the same function with tamer activations."""
+    pairs = []
+    for layer in model.layers:
+        pairs.append((layer.input_layernorm, layer.self_attn.qkv_proj))
+        pairs.append((layer.post_attention_layernorm, layer.mlp.gate_up_proj))
+    amax = {id(lin): torch.zeros(lin.in_features) for _, lin in pairs}
+
+    def hook(module, inputs, output):
+        x = inputs[0].reshape(-1, inputs[0].shape[-1]).abs().amax(0).float()
+        torch.maximum(amax[id(module)], x, out=amax[id(module)])
+
+    handles = [lin.register_forward_hook(hook) for _, lin in pairs]
+    with torch.inference_mode():
+        for ids in samples:
+            run = SequencePass(model, ids)
+            x = run.embed()
+            for i in range(len(model.layers)):
+                x = run.layer(i, x)
+    for h in handles:
+        h.remove()
+    ratios = []
+    with torch.no_grad():
+        for norm, lin in pairs:
+            w_max = lin.weight.abs().amax(0).clamp(min=1e-5)
+            s = (amax[id(lin)].clamp(min=1e-5).pow(alpha) / w_max.pow(1 - alpha)).clamp(min=1e-5)
+            norm.weight.div_(s)
+            lin.weight.mul_(s.unsqueeze(0))
+            ratios.append(float(amax[id(lin)].max() / amax[id(lin)].median().clamp(min=1e-8)))
+    return {"alpha": alpha, "pairs": len(pairs), "outlier_ratio_max": round(max(ratios), 2)}
+
+
 def _gptq_all(model, samples: list[list[int]], scheme: WeightScheme, cfg: QuantConfig,
               scale_dtype: torch.dtype, names: list[str]) -> tuple[dict[str, QuantWeight], dict]:
     """Layer by layer: Hessians from inputs that already passed the quantized earlier layers."""
@@ -204,14 +238,26 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     texts, calib_info = calibration_texts(calib)
     t = time.perf_counter()
     damp_used: dict[str, float] = {}
-    if cfg.method == "gptq":
+    smoothing = None
+    w8a8 = cfg.scheme == "W8A8"
+    needs_calib = cfg.method == "gptq" or (w8a8 and cfg.smoothquant_alpha is not None)
+    samples: list[list[int]] = []
+    if needs_calib:
+        what = "GPTQ" if cfg.method == "gptq" else "SmoothQuant"
         if calib_token_ids is not None:
             samples = [list(s)[: cfg.calib_seq_len] for s in calib_token_ids[: cfg.calib_samples]]
             calib_info = {"kind": "token_ids", "sha256": sha256_bytes(json.dumps(samples).encode())}
+        elif calib is None:
+            raise StageError(f"--calib: {what} needs calibration data (a quantpipe calibrate set or a text file)")
         elif tokenizer is None:
-            raise StageError("model: GPTQ needs the model's tokenizer to encode the calibration texts")
+            raise StageError(f"model: {what} needs the model's tokenizer to encode the calibration texts")
         else:
             samples = _token_samples(texts, tokenizer, cfg)
+    if w8a8 and cfg.smoothquant_alpha is not None:
+        smoothing = smooth(net, samples, cfg.smoothquant_alpha)
+        phases["smooth_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+    if cfg.method == "gptq":
         need = 2 * max(in_features)
         got = sum(map(len, samples))
         if got < need:
@@ -230,14 +276,18 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     t = time.perf_counter()
     state = {k: v.to(scale_dtype) for k, v in hf_state_dict(net).items()}
     layers_table = {}
+    fmt = "int-quantized" if w8a8 else "pack-quantized"
     for name, qw in quantized.items():
         parts = _hf_parts(net, name)
         sizes = [s if s is not None else qw.q.shape[0] for _, s in parts]
         for (hf_name, _), part in zip(parts, _split_rows(qw, sizes)):
             state.pop(hf_name + ".weight", None)
-            state[hf_name + ".weight_packed"] = pack_int32(part.q, scheme.num_bits)
+            if w8a8:  # int-quantized: the int8 values as they are
+                state[hf_name + ".weight"] = part.q.contiguous()
+            else:
+                state[hf_name + ".weight_packed"] = pack_int32(part.q, scheme.num_bits)
+                state[hf_name + ".weight_shape"] = torch.tensor(list(part.q.shape), dtype=torch.int64)
             state[hf_name + ".weight_scale"] = part.scale.to(scale_dtype).contiguous()
-            state[hf_name + ".weight_shape"] = torch.tensor(list(part.q.shape), dtype=torch.int64)
             if part.zero is not None:
                 state[hf_name + ".weight_zero_point"] = pack_int32(part.zero.to(torch.int8), scheme.num_bits, dim=0)
             layers_table[hf_name] = {"scheme": scheme.describe(), "shape": list(part.q.shape),
@@ -246,17 +296,19 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
                    "strategy": "group" if scheme.group_size else "channel", "group_size": scheme.group_size,
                    "dynamic": False, "actorder": "weight" if cfg.act_order and cfg.method == "gptq" else None,
                    "observer": "mse" if cfg.clip == "mse" else "minmax", "block_structure": None}
+    act_args = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
+                "group_size": None, "observer": None} if w8a8 else None
     qconfig = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args, "input_activations": None,
-                                      "output_activations": None, "format": "pack-quantized"}},
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args, "input_activations": act_args,
+                                      "output_activations": None, "format": fmt}},
         "ignore": [] if "lm_head" in names else ["lm_head"], "kv_cache_scheme": None,
         "global_compression_ratio": None,
     }
     config = hf_config(mcfg, scale_dtype)
     config["quantization_config"] = qconfig
     quant_bytes = sum(state[f"{n}.{t}"].numel() * state[f"{n}.{t}"].element_size() for n in layers_table
-                      for t in ("weight_packed", "weight_scale", "weight_zero_point") if f"{n}.{t}" in state)
+                      for t in ("weight_packed", "weight", "weight_scale", "weight_zero_point") if f"{n}.{t}" in state)
     bf16_bytes = sum(2 * int(np.prod(v["shape"])) for v in layers_table.values())
     with staged_output(out, overwrite=overwrite) as tmp:
         from safetensors.torch import save_file
@@ -272,6 +324,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
                              "architecture": mcfg.architecture},
             "scheme": cfg.scheme, "weights": scheme.describe(), "method": cfg.method, "parameters": cfg.to_dict(),
             "group_size": scheme.group_size, "calibration": calib_info, "layers": layers_table,
+            "activations": "int8 per token, dynamic" if w8a8 else None, "smoothquant": smoothing,
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},
             "time_s": {k: round(v, 2) for k, v in phases.items()},

@@ -72,6 +72,11 @@ def validate(qcfg: dict) -> None:
         if w.get("strategy") not in ("channel", "group"):
             raise ValueError(f"quantization_config.config_groups.{name}.weights.strategy {w.get('strategy')!r}: "
                              f"channel or group only")
+        a = group.get("input_activations")
+        if a is not None and not (a.get("num_bits") == 8 and a.get("type", "int") == "int"
+                                  and a.get("strategy") == "token" and a.get("dynamic") and a.get("symmetric", True)):
+            raise ValueError(f"quantization_config.config_groups.{name}.input_activations: only dynamic symmetric "
+                             f"per-token int8 is supported, got {a}")
         if w.get("actorder") == "group":
             raise ValueError(f"quantization_config.config_groups.{name}.weights.actorder 'group' (g_idx) is not "
                              f"supported; 'weight' is")
@@ -121,4 +126,5 @@ def read_quantized(state: dict[str, torch.Tensor], qcfg: dict, module: str) -> Q
         if tuple(zero.shape) != (n, groups):
             raise ValueError(f"{p}weight_zero_point has shape {tuple(zero.shape)}; expected [{n}, {groups}]")
     state.pop(p + "weight_g_idx", None)  # actorder 'weight' keeps the plain column order
-    return QuantWeight(q, scale.float(), None if zero is None else zero.float(), bits, gs)
+    act_bits = 8 if group.get("input_activations") else None
+    return QuantWeight(q, scale.float(), None if zero is None else zero.float(), bits, gs, act_bits)

@@ -9,6 +9,7 @@ guessed, and each choice is logged once at load:
 - `int4pack`: W4 with a group size of 32/64/128/256 dividing K -> torch's CPU int4 mm
   (its zero convention, w = (u - 8) * scale + zero with a float zero, is converted from
   compressed-tensors' integer zero point at load)
+- `w8a8`: INT8 weights and per-token INT8 activations (W8A8)
 - `dequant`: anything else (other group sizes, W8 by group, CUDA until the Triton
   kernels are built): weights dequantized once to the model dtype, then plain F.linear.
 
@@ -38,6 +39,7 @@ class QuantWeight:
     zero: torch.Tensor | None  # [N, G] integer-valued, None when symmetric
     num_bits: int
     group_size: int | None  # None: per output channel
+    act_bits: int | None = None  # 8: activations quantized per token at run time (W8A8)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.q.shape
@@ -55,8 +57,10 @@ class QuantWeight:
             if (p.num_bits, p.group_size, p.zero is None) != (first.num_bits, first.group_size, first.zero is None):
                 raise ValueError("fused projections (q/k/v or gate/up) must share one quantization scheme")
         zero = None if first.zero is None else torch.cat([p.zero for p in parts], 0)
+        if any(p.act_bits != first.act_bits for p in parts):
+            raise ValueError("fused projections (q/k/v or gate/up) must share one activation scheme")
         return QuantWeight(torch.cat([p.q for p in parts], 0), torch.cat([p.scale for p in parts], 0), zero,
-                           first.num_bits, first.group_size)
+                           first.num_bits, first.group_size, first.act_bits)
 
 
 class Int8PackLinear(nn.Module):
@@ -99,6 +103,39 @@ class Int4PackLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class W8A8Linear(nn.Module):
+    """INT8 weights per channel, activations quantized per token (dynamic, symmetric) on the fly.
+
+    The integer product runs as a float matmul of the integer values: torch's CPU
+    `_int_mm` measured 30x slower than float32 F.linear here, and the result is the same
+    function (the Triton INT8 GEMM of quantpipe.kernels takes this on CUDA).
+    """
+
+    kernel = "w8a8"
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = qw.q.shape
+        self.register_buffer("weight_q", qw.q.to(torch.float32).contiguous())  # integer values, exact in fp32
+        self.register_buffer("weight_scale", qw.scale.reshape(-1).float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1]).float()
+        xq, xs = quantize_per_token(xf)
+        y = (xq @ self.weight_q.t()) * xs * self.weight_scale
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_per_token(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row quantization: (integer values as float, scale [rows, 1])."""
+    q_max = (1 << (bits - 1)) - 1
+    scale = (x.abs().amax(-1, keepdim=True) / q_max).clamp(min=1e-10)
+    return torch.round(x / scale).clamp(-q_max - 1, q_max), scale
+
+
 class DequantLinear(nn.Linear):
     """Dequantized once at load: the fallback for formats without a fast kernel here."""
 
@@ -115,6 +152,8 @@ class DequantLinear(nn.Linear):
 def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype) -> type[nn.Module]:
     """The module for this weight format on this device: a fast kernel, or the fallback."""
     n, k = qw.q.shape
+    if qw.act_bits is not None:
+        return W8A8Linear  # activations must be quantized too: the same function on every path
     if device.type != "cpu" or dtype != torch.bfloat16:
         return DequantLinear  # CUDA: the Triton kernels of quantpipe.kernels, once built
     if qw.num_bits == 8 and qw.group_size is None and qw.zero is None:
@@ -127,7 +166,7 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype) -> typ
 def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch.dtype,
                  device: torch.device, force_kernel: str | None = None) -> dict[str, str]:
     """Replace model.<name> (an nn.Linear) by a quantized module for each entry; returns name -> kernel."""
-    kinds = {"int8pack": Int8PackLinear, "int4pack": Int4PackLinear, "dequant": DequantLinear}
+    kinds = {"int8pack": Int8PackLinear, "int4pack": Int4PackLinear, "dequant": DequantLinear, "w8a8": W8A8Linear}
     chosen: dict[str, str] = {}
     for name, qw in weights.items():
         parent_name, _, attr = name.rpartition(".")
@@ -138,7 +177,7 @@ def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch
         if tuple(qw.q.shape) != (old.out_features, old.in_features):
             raise ValueError(f"{name}: quantized weight has shape {tuple(qw.q.shape)}, "
                              f"the layer is {(old.out_features, old.in_features)}")
-        cls = kinds[force_kernel] if force_kernel else kernel_for(qw, device, dtype)
+        cls = kinds[force_kernel] if force_kernel and qw.act_bits is None else kernel_for(qw, device, dtype)
         bias = None if old.bias is None or old.bias.is_meta else old.bias.detach()
         setattr(parent, attr, cls(qw, bias, dtype).to(device))
         chosen[name] = cls.kernel
