@@ -22,6 +22,8 @@ from quantpipe.quantize.config import CLIPS, METHODS, SCHEMES, QuantConfig
 @click.option("--calib-samples", type=int, default=128, show_default=True)
 @click.option("--calib-seq-len", type=int, default=512, show_default=True)
 @click.option("--quantize-lm-head", is_flag=True, help="also quantize lm_head (untied models only)")
+@click.option("--bits-budget", type=float, default=None,
+              help="mixed: average bits per quantized weight, scales included (>= 4.25)")
 @click.option("--smoothquant-alpha", type=float, default=0.5, show_default=True,
               help="W8A8: SmoothQuant migration strength (0 < alpha < 1)")
 @click.option("--no-smoothquant", is_flag=True, help="W8A8 without SmoothQuant")

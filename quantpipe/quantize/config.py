@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from quantpipe.manifest import StageError
 from quantpipe.quantize.rtn import WeightScheme
 
-SCHEMES = ("W8A16", "W4A16", "W8A8")
+SCHEMES = ("W8A16", "W4A16", "W8A8", "mixed")
 METHODS = ("rtn", "gptq")
 GROUP_SIZES = (32, 64, 128)
 CLIPS = ("minmax", "mse")
@@ -34,10 +34,18 @@ class QuantConfig:
     quantize_lm_head: bool = False
     dtype: str = "bfloat16"  # scales and unquantized tensors in the artifact (what vLLM serves)
     smoothquant_alpha: float | None = 0.5  # W8A8: migrate activation outliers into weights; None: off
+    bits_budget: float | None = None  # mixed: average bits per quantized weight, scales included
+    sensitivity_samples: int = 8  # mixed: calibration sequences the per-layer KL is measured on
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise StageError(f"scheme must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
+        if self.scheme == "mixed":
+            if self.bits_budget is None:
+                raise StageError("scheme mixed needs bits_budget (average bits per weight, e.g. 5)")
+            if self.bits_budget < 4.25:
+                raise StageError(f"bits_budget {self.bits_budget} is below the smallest scheme's "
+                                 f"4.25 bits per weight (W4 group 64 with 16-bit scales)")
         if self.scheme == "W8A8":
             if self.group_size is not None or not self.symmetric:
                 raise StageError("scheme W8A8 takes symmetric per-channel weights (no group_size, no --asymmetric)")
@@ -62,7 +70,7 @@ class QuantConfig:
 
     @property
     def num_bits(self) -> int:
-        return 4 if self.scheme == "W4A16" else 8
+        return 4 if self.scheme in ("W4A16", "mixed") else 8
 
     def weight_scheme(self, in_features: list[int]) -> WeightScheme:
         """The grid for this model: the group size resolved against every layer's input size."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import resource
 import time
 from dataclasses import dataclass
@@ -156,8 +157,8 @@ def smooth(model, samples: list[list[int]], alpha: float) -> dict:
     return {"alpha": alpha, "pairs": len(pairs), "outlier_ratio_max": round(max(ratios), 2)}
 
 
-def _gptq_all(model, samples: list[list[int]], scheme: WeightScheme, cfg: QuantConfig,
-              scale_dtype: torch.dtype, names: list[str]) -> tuple[dict[str, QuantWeight], dict]:
+def _gptq_all(model, samples: list[list[int]], schemes: dict[str, WeightScheme | None], cfg: QuantConfig,
+              scale_dtype: torch.dtype) -> tuple[dict[str, QuantWeight], dict]:
     """Layer by layer: Hessians from inputs that already passed the quantized earlier layers."""
     passes = [SequencePass(model, ids) for ids in samples]
     with torch.inference_mode():
@@ -165,7 +166,7 @@ def _gptq_all(model, samples: list[list[int]], scheme: WeightScheme, cfg: QuantC
     out: dict[str, QuantWeight] = {}
     damp_used: dict[str, float] = {}
     for i, layer in enumerate(model.layers):
-        mods = {f"layers.{i}.{n}": layer.get_submodule(n) for n in LINEARS}
+        mods = {f"layers.{i}.{n}": layer.get_submodule(n) for n in LINEARS if schemes.get(f"layers.{i}.{n}")}
         hs = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in mods.items()}
         count = {"n": 0}
 
@@ -184,6 +185,7 @@ def _gptq_all(model, samples: list[list[int]], scheme: WeightScheme, cfg: QuantC
             hnd.remove()
         for name, mod in mods.items():
             h = (2 * hs[name] / count["n"]).float()
+            scheme = schemes[name]
             try:
                 q, scale, zero, used = gptq(mod.weight, h, scheme, cfg.dampening, cfg.block_size, cfg.act_order,
                                             scale_dtype)
@@ -197,9 +199,10 @@ def _gptq_all(model, samples: list[list[int]], scheme: WeightScheme, cfg: QuantC
         with torch.inference_mode():
             xs = [p.layer(i, x) for p, x in zip(passes, xs)]
         log.info("GPTQ layer %d/%d done", i + 1, len(model.layers))
-    if "lm_head" in names:
-        qw = rtn(model.lm_head.weight, scheme)
-        out["lm_head"] = QuantWeight(qw[0], qw[1], qw[2], scheme.num_bits, scheme.group_size)
+    if schemes.get("lm_head"):
+        sch = schemes["lm_head"]
+        qw = rtn(model.lm_head.weight, sch)
+        out["lm_head"] = QuantWeight(qw[0], qw[1].to(scale_dtype).float(), qw[2], sch.num_bits, sch.group_size)
     return out, damp_used
 
 
@@ -240,10 +243,10 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     damp_used: dict[str, float] = {}
     smoothing = None
     w8a8 = cfg.scheme == "W8A8"
-    needs_calib = cfg.method == "gptq" or (w8a8 and cfg.smoothquant_alpha is not None)
+    needs_calib = cfg.method == "gptq" or cfg.scheme == "mixed" or (w8a8 and cfg.smoothquant_alpha is not None)
     samples: list[list[int]] = []
     if needs_calib:
-        what = "GPTQ" if cfg.method == "gptq" else "SmoothQuant"
+        what = "GPTQ" if cfg.method == "gptq" else ("mixed precision" if cfg.scheme == "mixed" else "SmoothQuant")
         if calib_token_ids is not None:
             samples = [list(s)[: cfg.calib_seq_len] for s in calib_token_ids[: cfg.calib_samples]]
             calib_info = {"kind": "token_ids", "sha256": sha256_bytes(json.dumps(samples).encode())}
@@ -257,6 +260,22 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         smoothing = smooth(net, samples, cfg.smoothquant_alpha)
         phases["smooth_s"] = time.perf_counter() - t
         t = time.perf_counter()
+    scheme_map: dict[str, WeightScheme | None] = {n: scheme for n in names}
+    sensitivity = None
+    if cfg.scheme == "mixed":
+        from quantpipe.quantize import mixed
+
+        group = scheme.group_size
+        cands = mixed.candidates(group)
+        sens = mixed.sensitivities(net, names, [c for c in cands if c], samples[: cfg.sensitivity_samples])
+        params = {n: net.get_submodule(n).weight.numel() for n in names}
+        inf = {n: k for n, k in zip(names, in_features)}
+        scheme_map = mixed.assign(params, inf, sens, cands, cfg.bits_budget)
+        avg = sum(mixed.bits_of(scheme_map[n], inf[n]) * params[n] for n in names) / sum(params.values())
+        sensitivity = {"table": sens, "bits_budget": cfg.bits_budget, "average_bits": round(avg, 4),
+                       "chosen": {n: (s.describe() if s else "bf16") for n, s in scheme_map.items()}}
+        phases["sensitivity_s"] = time.perf_counter() - t
+        t = time.perf_counter()
     if cfg.method == "gptq":
         need = 2 * max(in_features)
         got = sum(map(len, samples))
@@ -264,12 +283,15 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             raise StageError(f"--calib {calib}: {got} calibration tokens; GPTQ needs at least {need} "
                              f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
         calib_info["samples"], calib_info["tokens"] = len(samples), got
-        quantized, damp_used = _gptq_all(net, samples, scheme, cfg, scale_dtype, names)
+        quantized, damp_used = _gptq_all(net, samples, scheme_map, cfg, scale_dtype)
     else:
         quantized = {}
         for n in names:
-            q, scale, zero = rtn(net.get_submodule(n).weight, scheme, cfg.clip)
-            quantized[n] = QuantWeight(q, scale.to(scale_dtype).float(), zero, scheme.num_bits, scheme.group_size)
+            sch = scheme_map[n]
+            if sch is None:
+                continue
+            q, scale, zero = rtn(net.get_submodule(n).weight, sch, cfg.clip)
+            quantized[n] = QuantWeight(q, scale.to(scale_dtype).float(), zero, sch.num_bits, sch.group_size)
     phases["quantize_s"] = time.perf_counter() - t
 
     # -- the checkpoint: unfused HF names, packed integers, scales in the artifact dtype ----
@@ -277,7 +299,13 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     state = {k: v.to(scale_dtype) for k, v in hf_state_dict(net).items()}
     layers_table = {}
     fmt = "int-quantized" if w8a8 else "pack-quantized"
-    for name, qw in quantized.items():
+    hf_names_by_scheme: dict[WeightScheme, list[str]] = {}
+    kept = [] if "lm_head" in names else ["lm_head"]
+    for name in names:
+        qw, sch = quantized.get(name), scheme_map[name]
+        if qw is None:
+            kept += [hf for hf, _ in _hf_parts(net, name)]
+            continue
         parts = _hf_parts(net, name)
         sizes = [s if s is not None else qw.q.shape[0] for _, s in parts]
         for (hf_name, _), part in zip(parts, _split_rows(qw, sizes)):
@@ -285,31 +313,42 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             if w8a8:  # int-quantized: the int8 values as they are
                 state[hf_name + ".weight"] = part.q.contiguous()
             else:
-                state[hf_name + ".weight_packed"] = pack_int32(part.q, scheme.num_bits)
+                state[hf_name + ".weight_packed"] = pack_int32(part.q, sch.num_bits)
                 state[hf_name + ".weight_shape"] = torch.tensor(list(part.q.shape), dtype=torch.int64)
             state[hf_name + ".weight_scale"] = part.scale.to(scale_dtype).contiguous()
             if part.zero is not None:
-                state[hf_name + ".weight_zero_point"] = pack_int32(part.zero.to(torch.int8), scheme.num_bits, dim=0)
-            layers_table[hf_name] = {"scheme": scheme.describe(), "shape": list(part.q.shape),
+                state[hf_name + ".weight_zero_point"] = pack_int32(part.zero.to(torch.int8), sch.num_bits, dim=0)
+            layers_table[hf_name] = {"scheme": sch.describe(), "shape": list(part.q.shape),
                                      "dampening": damp_used.get(name)}
-    weight_args = {"num_bits": scheme.num_bits, "type": "int", "symmetric": scheme.symmetric,
-                   "strategy": "group" if scheme.group_size else "channel", "group_size": scheme.group_size,
-                   "dynamic": False, "actorder": "weight" if cfg.act_order and cfg.method == "gptq" else None,
-                   "observer": "mse" if cfg.clip == "mse" else "minmax", "block_structure": None}
+            hf_names_by_scheme.setdefault(sch, []).append(hf_name)
     act_args = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
                 "group_size": None, "observer": None} if w8a8 else None
+
+    def weight_args(sch: WeightScheme) -> dict:
+        return {"num_bits": sch.num_bits, "type": "int", "symmetric": sch.symmetric,
+                "strategy": "group" if sch.group_size else "channel", "group_size": sch.group_size,
+                "dynamic": False, "actorder": "weight" if cfg.act_order and cfg.method == "gptq" else None,
+                "observer": "mse" if cfg.clip == "mse" else "minmax", "block_structure": None}
+
+    if cfg.scheme == "mixed":  # one group per precision, each naming its modules
+        groups = {f"group_{i}": {"targets": [f"re:^{re.escape(n)}$" for n in mods], "weights": weight_args(sch),
+                                 "input_activations": None, "output_activations": None, "format": fmt}
+                  for i, (sch, mods) in enumerate(sorted(hf_names_by_scheme.items(), key=lambda kv: kv[0].num_bits))}
+    else:
+        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(scheme), "input_activations": act_args,
+                              "output_activations": None, "format": fmt}}
     qconfig = {
-        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args, "input_activations": act_args,
-                                      "output_activations": None, "format": fmt}},
-        "ignore": [] if "lm_head" in names else ["lm_head"], "kv_cache_scheme": None,
-        "global_compression_ratio": None,
+        "quant_method": "compressed-tensors", "format": "mixed-precision" if cfg.scheme == "mixed" else fmt,
+        "quantization_status": "compressed", "config_groups": groups,
+        "ignore": kept, "kv_cache_scheme": None, "global_compression_ratio": None,
     }
     config = hf_config(mcfg, scale_dtype)
     config["quantization_config"] = qconfig
     quant_bytes = sum(state[f"{n}.{t}"].numel() * state[f"{n}.{t}"].element_size() for n in layers_table
                       for t in ("weight_packed", "weight", "weight_scale", "weight_zero_point") if f"{n}.{t}" in state)
     bf16_bytes = sum(2 * int(np.prod(v["shape"])) for v in layers_table.values())
+    kept_bytes = sum(2 * net.get_submodule(n).weight.numel() for n in names if scheme_map[n] is None)
+    quant_bytes, bf16_bytes = quant_bytes + kept_bytes, bf16_bytes + kept_bytes  # mixed: layers left in bf16
     with staged_output(out, overwrite=overwrite) as tmp:
         from safetensors.torch import save_file
 
@@ -322,9 +361,11 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             "stage": "quantize", "manifest_version": MANIFEST_VERSION, "code_version": code_version(),
             "source_model": {"path": os.path.basename(os.path.normpath(src)), "sha256": _source_sha256(src),
                              "architecture": mcfg.architecture},
-            "scheme": cfg.scheme, "weights": scheme.describe(), "method": cfg.method, "parameters": cfg.to_dict(),
+            "scheme": cfg.scheme, "weights": "mixed" if cfg.scheme == "mixed" else scheme.describe(),
+            "method": cfg.method, "parameters": cfg.to_dict(),
             "group_size": scheme.group_size, "calibration": calib_info, "layers": layers_table,
             "activations": "int8 per token, dynamic" if w8a8 else None, "smoothquant": smoothing,
+            "mixed_precision": sensitivity,
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},
             "time_s": {k: round(v, 2) for k, v in phases.items()},

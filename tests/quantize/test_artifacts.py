@@ -182,3 +182,57 @@ def test_w8a8_smoothquant_matches_a_fake_quant_reference(tmp_path):
         QuantConfig(scheme="W8A8", group_size=64)
     with pytest.raises(StageError, match="SmoothQuant needs calibration data"):
         quantize(src, QuantConfig(scheme="W8A8"), None, str(tmp_path / "nocalib"))
+
+
+def test_mixed_precision_meets_its_budget_and_loads(tmp_path):
+    from quantpipe.quantize.mixed import assign
+
+    # The knapsack itself: the sensitive layer keeps precision, the budget holds.
+    sens = {"a": {"W8 channel sym": 0.1, "W4 g64 sym": 5.0}, "b": {"W8 channel sym": 0.01, "W4 g64 sym": 0.02}}
+    from quantpipe.quantize.mixed import candidates
+
+    got = assign({"a": 1000, "b": 1000}, {"a": 64, "b": 64}, sens, candidates(64), budget=6.5)
+    assert got["a"].num_bits == 8 and got["b"].num_bits == 4
+    got = assign({"a": 1000, "b": 1000}, {"a": 64, "b": 64}, sens, candidates(64), budget=16)
+    assert got == {"a": None, "b": None}
+
+    _, src = build(tmp_path, "llama-gqa-untied-llama3-rope")
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(0, 320, (32,), generator=g).tolist() for _ in range(4)]
+    out = str(tmp_path / "mixed")
+    art = quantize(src, QuantConfig(scheme="mixed", bits_budget=6.0, group_size=32, dtype="float32"), None, out,
+                   calib_token_ids=ids)
+    mp = art.manifest["mixed_precision"]
+    assert mp["average_bits"] <= 6.0 and len(set(mp["chosen"].values())) >= 2, mp["chosen"]
+    assert all(set(v) == {"W8 channel sym", "W4 g32 sym"} for v in mp["table"].values())
+    cfg = json.load(open(f"{out}/config.json"))["quantization_config"]
+    assert cfg["format"] == "mixed-precision" and len(cfg["config_groups"]) >= 1
+    model, _, _ = load_model(out, torch.float32)
+    bits = {n: m.__class__.__name__ for n, m in model.named_modules() if hasattr(m, "kernel")}
+    assert bits
+    assert torch.allclose(sequence_logits(model, IDS), hf_reference_logits_mixed(out), atol=2e-3, rtol=1e-3)
+    with pytest.raises(StageError, match="below the smallest scheme"):
+        QuantConfig(scheme="mixed", bits_budget=3)
+
+
+def hf_reference_logits_mixed(artifact: str) -> torch.Tensor:
+    """Like hf_reference_logits, with each module decompressed by its own config group."""
+    import re
+
+    import transformers
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    cfg = json.load(open(f"{artifact}/config.json"))
+    qcfg = QuantizationConfig.model_validate(cfg.pop("quantization_config"))
+    state = load_file(f"{artifact}/model.safetensors")
+    for m in {k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_packed")}:
+        scheme = next(g for g in qcfg.config_groups.values()
+                      if any(re.match(t[3:], m) for t in g.targets if t.startswith("re:")))
+        local = {t: state.pop(f"{m}.{t}") for t in ("weight_packed", "weight_scale", "weight_shape",
+                                                   "weight_zero_point") if f"{m}.{t}" in state}
+        state[f"{m}.weight"] = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg)).float().eval()
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    with torch.no_grad():
+        return model(torch.tensor([IDS])).logits[0].float()

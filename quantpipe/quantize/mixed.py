@@ -1,0 +1,87 @@
+"""Mixed precision: measure each Linear's sensitivity, then pick precisions under a bit budget.
+
+Sensitivity of a layer at a precision is the mean KL divergence of the model's next-token
+distribution from the unquantized model's when only that layer is quantized (RTN) at
+that precision, on a few calibration sequences. The assignment minimizing the summed
+sensitivity with average bits per weight <= budget (scales counted) is a multiple-choice
+knapsack, solved exactly by dynamic programming over the bit cost in small units.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from quantpipe.quantize.rtn import WeightScheme, dequantize, rtn
+from quantpipe.runtime.model.forward import sequence_logits
+
+KEEP = None  # "stay in the model dtype"
+
+
+def candidates(group_size: int) -> list[WeightScheme | None]:
+    return [KEEP, WeightScheme(8, None, True), WeightScheme(4, group_size, True)]
+
+
+def bits_of(scheme: WeightScheme | None, in_features: int) -> float:
+    if scheme is None:
+        return 16.0
+    if scheme.group_size is None:
+        return scheme.num_bits + 16.0 / in_features  # one 16-bit scale per output channel
+    return scheme.bits_per_weight()
+
+
+@torch.inference_mode()
+def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples: list[list[int]]):
+    """{name: {scheme.describe(): mean KL}} with every other layer unquantized."""
+    ref = [F.log_softmax(sequence_logits(model, ids).double(), -1) for ids in samples]
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        mod = model.get_submodule(name)
+        original = mod.weight.detach().clone()
+        out[name] = {}
+        for sch in schemes:
+            q, scale, zero = rtn(original, sch)
+            mod.weight.copy_(dequantize(q, scale, zero, sch).to(original.dtype))
+            kl = 0.0
+            for ids, lr in zip(samples, ref):
+                lc = F.log_softmax(sequence_logits(model, ids).double(), -1)
+                kl += float((lr.exp() * (lr - lc)).sum(-1).mean())
+            out[name][sch.describe()] = kl / len(samples)
+        mod.weight.copy_(original)
+    return out
+
+
+def assign(params: dict[str, int], in_features: dict[str, int], sens: dict[str, dict[str, float]],
+           schemes: list[WeightScheme | None], budget: float, units: int = 4000) -> dict[str, WeightScheme | None]:
+    """The precision per layer minimizing summed sensitivity with average bits <= budget."""
+    names = list(params)
+    total = sum(params.values())
+    unit = 16.0 * total / units  # bit cost in units of 1/units of the all-16-bit model
+    cap = math.floor(budget * total / unit + 1e-9)
+    inf = float("inf")
+    best = [0.0] + [inf] * cap  # best[c]: least sensitivity with cost exactly... at most c
+    choice: list[list[int]] = []
+    for n in names:
+        costs = [math.ceil(bits_of(s, in_features[n]) * params[n] / unit - 1e-9) for s in schemes]
+        gains = [0.0 if s is None else sens[n][s.describe()] for s in schemes]
+        new = [inf] * (cap + 1)
+        pick = [-1] * (cap + 1)
+        for c in range(cap + 1):
+            if best[c] == inf:
+                continue
+            for k, (cost, g) in enumerate(zip(costs, gains)):
+                if c + cost <= cap and best[c] + g < new[c + cost]:
+                    new[c + cost], pick[c + cost] = best[c] + g, k * (cap + 1) + c
+        best = new
+        choice.append(pick)
+    end = min((c for c in range(cap + 1) if best[c] < inf), key=lambda c: (best[c], c), default=None)
+    if end is None:
+        raise ValueError(f"no assignment fits {budget} bits per weight")
+    out: dict[str, WeightScheme | None] = {}
+    for n, pick in zip(reversed(names), reversed(choice)):
+        k, prev = divmod(pick[end], cap + 1)
+        out[n] = schemes[k]
+        end = prev
+    return {n: out[n] for n in names}
