@@ -63,8 +63,8 @@ class QualityScores:
 
 
 @torch.inference_mode()
-def token_stats(baseline, candidate, ids: list[int]) -> TokenStats:
-    lb = F.log_softmax(sequence_logits(baseline, ids)[:-1].double(), -1)
+def token_stats(baseline, candidate, ids: list[int], baseline_logp: torch.Tensor | None = None) -> TokenStats:
+    lb = baseline_logp if baseline_logp is not None else F.log_softmax(sequence_logits(baseline, ids)[:-1].double(), -1)
     lc = F.log_softmax(sequence_logits(candidate, ids)[:-1].double(), -1)
     target = torch.tensor(ids[1:]).unsqueeze(1)
     kl = (lb.exp() * (lb - lc)).sum(-1).clamp(min=0)
@@ -77,13 +77,25 @@ def token_stats(baseline, candidate, ids: list[int]) -> TokenStats:
 
 
 def score(baseline, candidate, tokenizer, texts: list[str], strata: list[str] | None = None,
-          max_tokens: int = 512) -> QualityScores:
-    """Score `texts` (each cut to `max_tokens`); both models should be float32."""
+          max_tokens: int = 512, cache: dict | None = None) -> QualityScores:
+    """Score `texts` (each cut to `max_tokens`); both models should be float32.
+
+    `cache` (a dict kept across calls) holds the baseline's float32 logits, so scoring
+    several candidates against one baseline runs the baseline once per text (the same
+    numbers as without it: the log-softmax is recomputed from the same logits).
+    """
     out = QualityScores()
     for i, text in enumerate(texts):
         ids = tokenizer.encode(text)[:max_tokens]
         if len(ids) < 2:
             continue
-        out.texts.append(token_stats(baseline, candidate, ids))
+        base_lp = None
+        if cache is not None:
+            key = tuple(ids)
+            if key not in cache:
+                with torch.inference_mode():
+                    cache[key] = sequence_logits(baseline, ids)[:-1]
+            base_lp = F.log_softmax(cache[key].double(), -1)
+        out.texts.append(token_stats(baseline, candidate, ids, base_lp))
         out.strata.append(strata[i] if strata else "all")
     return out
