@@ -14,12 +14,17 @@ CONCURRENCY ?= 16
 OUT        ?=
 LOGS       ?=
 RECIPE     ?= calib_sets/recipes/sample.yaml
+SCHEME     ?= W4A16
+GROUP_SIZE ?=
+METHOD     ?= gptq
+CALIB      ?= calib_sets/sample-set
+NAME       ?= $(shell echo $(SCHEME)-$(METHOD) | tr A-Z a-z)
 
 # Set up once; redone when the package's requirements change.
 INSTALLED  := .venv/.quantpipe-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test serve bench demo calibrate
+.PHONY: help setup test serve bench demo calibrate quantize
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -45,3 +50,7 @@ demo: ## set up, serve the default model, load-test it, print the report, stop
 
 calibrate: $(INSTALLED) ## sample calibration + held-out sets: RECIPE=..., LOGS=... override its logs, OUT=dir
 	$(QUANTPIPE) calibrate --recipe $(RECIPE) $(if $(LOGS),--logs "$(LOGS)") --out $(or $(OUT),calib_sets/sample-set) --overwrite
+
+quantize: $(INSTALLED) ## quantize MODEL (default model) with SCHEME, METHOD, GROUP_SIZE, CALIB into artifacts/NAME
+	$(QUANTPIPE) quantize $(MODEL) --scheme $(SCHEME) --method $(METHOD) $(if $(GROUP_SIZE),--group-size $(GROUP_SIZE)) \
+		$(if $(filter gptq,$(METHOD)),--calib $(CALIB)) --out artifacts/$(NAME) --overwrite

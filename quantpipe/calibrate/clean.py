@@ -144,19 +144,34 @@ _MAX_CHARS = 8192  # enough text to tell documents apart; bounds the cost of ver
 
 def minhash(norm: str) -> np.ndarray:
     """32 MinHash values (uint32) of the shingles starting at each word of normalized text."""
-    data = norm[:_MAX_CHARS].encode("utf-8") + b" " * _WINDOW
-    b = np.frombuffer(data, dtype=np.uint8).astype(np.uint64)
+    return minhash_batch([norm])[0]
+
+
+def minhash_batch(norms: list[str]) -> np.ndarray:
+    """[len(norms), 32] MinHash signatures, computed for the whole batch in a few numpy calls.
+
+    The texts are laid end to end (separated by a window of spaces, so no shingle spans
+    two texts); shingles start at word starts; each text's minimum is taken with reduceat.
+    """
+    pieces, offsets, pos = [], [], 0
+    for norm in norms:
+        data = norm[:_MAX_CHARS].encode("utf-8") or b"_"
+        offsets.append(pos)
+        pieces.append(data)
+        pieces.append(b" " * _WINDOW)
+        pos += len(data) + _WINDOW
+    b = np.frombuffer(b"".join(pieces), dtype=np.uint8).astype(np.uint64)
     n = len(b) - _WINDOW + 1
-    starts = np.flatnonzero(b[: n] != 32)
+    starts = np.flatnonzero(b[:n] != 32)
     starts = starts[(starts == 0) | (b[np.maximum(starts - 1, 0)] == 32)]  # word starts
-    if len(starts) == 0:
-        starts = np.zeros(1, dtype=np.int64)
     h = np.zeros(len(starts), dtype=np.uint64)
     with np.errstate(over="ignore"):
         for i in range(_WINDOW):
             h += b[starts + i] * _POW[i]
-        h = np.unique(h)
-        return ((np.multiply.outer(h, _A) + _B) >> np.uint64(32)).min(axis=0).astype(np.uint32)
+        vals = (np.multiply.outer(h, _A) + _B) >> np.uint64(32)
+    # Every text has at least one word start (empty texts were given a placeholder).
+    first = np.searchsorted(starts, np.array(offsets, dtype=np.int64))
+    return np.minimum.reduceat(vals, first, axis=0).astype(np.uint32)
 
 
 def near_dup_groups(signatures: np.ndarray, threshold: float) -> np.ndarray:

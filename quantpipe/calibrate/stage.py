@@ -144,7 +144,8 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
 
     def flush() -> None:
         encoded = tokenizer.backend.encode_batch([t for _, t, _ in pending], add_special_tokens=False)
-        for (rec, text, labels), enc in zip(pending, encoded):
+        sigs = clean.minhash_batch([clean.normalize(t) for _, t, _ in pending])
+        for (rec, text, labels), enc, sig in zip(pending, encoded, sigs):
             n = len(enc.ids)
             if n < cfg.min_tokens:
                 dropped["too_short"] += 1
@@ -166,7 +167,7 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
             feats.values.append(tuple(values))
             feats.conv.append(conversation_key(rec))
             feats.tokens.append(n)
-            feats.sigs.append(clean.minhash(clean.normalize(text)))
+            feats.sigs.append(sig)
             if clustering:
                 feats.texts.append(text)
         pending.clear()
@@ -333,7 +334,10 @@ def _select(cfg: CalibConfig, keep: np.ndarray, names: list[str], convs: list[st
     if cfg.heldout_size:
         floor = max(1, min(cfg.min_per_stratum, cfg.heldout_size // n_strata))
         size = min(cfg.heldout_size, max(0, n - cfg.size)) if cfg.allow_smaller else cfg.heldout_size
-        need, _ = strata.allocate(dict(counts), size, floor)
+        # The calibration set comes first: a scarce stratum keeps its floor for calibration,
+        # and the held-out set takes only what lies beyond it.
+        spare = {s: max(0, counts[s] - cfg.min_per_stratum) for s in counts}
+        need, _ = strata.allocate(dict(counts), size, floor, available=spare)
         conv_order = sorted(by_conv)
         for ci in rng.permutation(len(conv_order)):
             if not any(need.values()):

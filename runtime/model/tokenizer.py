@@ -179,6 +179,14 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
     from quantpipe.runtime.model.loader import resolve_model_path
 
     path = resolve_model_path(model)
+    st = os.stat(path)
+    return _load_tokenizer(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str, mtime_ns: int, size: int) -> Tokenizer:
+    # Reading a GGUF's metadata takes seconds (its 49k-token vocabulary is parsed field by
+    # field); stages that need only the tokenizer reuse one per file version.
     if path.endswith(".gguf"):
         from gguf import GGUFReader
 
