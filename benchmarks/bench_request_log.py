@@ -34,7 +34,7 @@ def main() -> None:
     out = RequestOutput("chatcmpl-x", None, list(range(256)),
                         [CompletionOutput(0, text[1000:1500], list(range(128)), "length")], True,
                         RequestMetrics(1.0, 1.01, 1.2, 3.0, 32))
-    responder = SimpleNamespace(delivered_text=text[1000:1500], delivered_finish_reason="length")
+    responder = SimpleNamespace(delivered_text=lambda o: o.outputs[0].text, delivered_finish_reason="length")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "requests.jsonl")
         rlog = RequestLog(RequestLogConfig(path))

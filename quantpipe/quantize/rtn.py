@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quantpipe.runtime.model.quantized import QuantWeight
+
 
 @dataclass(frozen=True)
 class WeightScheme:
@@ -76,10 +78,8 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, sc
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: WeightScheme) -> torch.Tensor:
-    g = _grouped(q.float(), scheme)
-    if zero is not None:
-        g = g - zero.float().unsqueeze(-1)
-    return (g * scale.float().unsqueeze(-1)).reshape(q.shape)
+    """float32 weights back from the grid: the runtime's own dequantization, one definition."""
+    return QuantWeight(q, scale, zero, scheme.num_bits, scheme.group_size).dequantize()
 
 
 def rtn(w: torch.Tensor, scheme: WeightScheme, clip: str = "minmax"):

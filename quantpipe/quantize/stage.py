@@ -376,10 +376,3 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     log.info("quantized %d linears (%s, %s) into %s in %.1fs", len(layers_table), scheme.describe(), cfg.method,
              out, time.perf_counter() - t_start)
     return Artifact(Path(out), manifest)
-
-
-def load_manifest(path: str | os.PathLike) -> dict:
-    try:
-        return json.loads((Path(path) / "quantpipe.json").read_text())
-    except OSError:
-        raise StageError(f"{path}: not a quantpipe artifact (no quantpipe.json)") from None

@@ -232,7 +232,7 @@ def log_record(request_id: str, created: float, endpoint: str, model: str, statu
     record = {
         "id": request_id, "created": round(created, 6), "endpoint": endpoint, "model": model, "status": status,
         "request": body,
-        "output": {"text": responder.delivered_text if responder is not None else "",
+        "output": {"text": responder.delivered_text(out) if responder is not None else "",
                    "finish_reason": responder.delivered_finish_reason if responder is not None else None},
         "usage": usage, "timings": timings,
         "metadata": _labels(body, "metadata"),

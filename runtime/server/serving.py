@@ -185,9 +185,8 @@ class Responder:
     tokenizer: object
     created: int = field(default_factory=lambda: int(time.time()))
     _deltas: TextDeltas | None = None
-    # What the client has been handed so far (the request log records it).
-    delivered_text: str = ""
-    delivered_finish_reason: str | None = None
+    _whole: bool = False  # the whole response body was built (non-streaming)
+    delivered_finish_reason: str | None = None  # set once the final chunk or body was built
     _lp_sent: int = 0  # output tokens whose logprobs were already streamed
     _text_offset: int = 0  # completions logprobs: characters before the next token
 
@@ -197,6 +196,13 @@ class Responder:
     @property
     def chat(self) -> bool:
         return self.prep.kind == "chat"
+
+    def delivered_text(self, out: RequestOutput | None) -> str:
+        """What the client was handed: the whole text, or the streamed prefix of it."""
+        if out is None:
+            return ""
+        text = out.outputs[0].text
+        return text if self._whole else text[: self._deltas.sent]
 
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -244,7 +250,7 @@ class Responder:
 
     def response(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        self.delivered_text, self.delivered_finish_reason = c.text, c.finish_reason
+        self._whole, self.delivered_finish_reason = True, c.finish_reason
         logprobs = self._logprobs(c.token_ids, c.logprobs or []) if self.prep.logprobs is not None else None
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
@@ -276,7 +282,6 @@ class Responder:
         """Chunks for one (cumulative) output; the last ones when it finished."""
         c = out.outputs[0]
         piece = self._deltas.delta(c.text, out.finished)
-        self.delivered_text += piece
         if out.finished:
             self.delivered_finish_reason = c.finish_reason
         logprobs = self._new_logprobs(out)
