@@ -37,9 +37,36 @@ CONFIGS = {
 }
 
 
+def docs_sets(folder: str) -> tuple[str, str]:
+    """The documentation split of BENCHMARKS.md: calibration from the even-numbered pydoc
+    topics, held-out texts from the odd-numbered ones (1,500-character chunks)."""
+    from pydoc_data.topics import topics
+
+    from quantpipe.calibrate import CalibConfig, calibrate
+
+    keys = sorted(topics)
+    os.makedirs(folder, exist_ok=True)
+    for name, ks in (("calib", keys[::2]), ("heldout", keys[1::2])):
+        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+            for k in ks:
+                for i in range(0, len(topics[k]), 1500):
+                    chunk = topics[k][i:i + 1500].strip()
+                    if len(chunk) > 400:
+                        f.write(json.dumps({"text": chunk, "topic": k}) + "\n")
+    common = dict(text_field="text", strata=["length"], length_edges=[128, 256, 512], min_per_stratum=4,
+                  overwrite=True)
+    calibrate(CalibConfig(logs=[os.path.join(folder, "calib.jsonl")], size=128, heldout_size=0,
+                          out=os.path.join(folder, "calib-set"), **common))
+    calibrate(CalibConfig(logs=[os.path.join(folder, "heldout.jsonl")], size=64, heldout_size=64,
+                          out=os.path.join(folder, "heldout-set"), **common))
+    return os.path.join(folder, "heldout-set"), os.path.join(folder, "calib-set")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--heldout", required=True, help="a quantpipe calibrate set: its heldout.jsonl is scored")
+    ap.add_argument("--heldout", default=None, help="a quantpipe calibrate set: its heldout.jsonl is scored")
+    ap.add_argument("--docs-sets", default=None, metavar="DIR",
+                    help="build the documentation split of BENCHMARKS.md in DIR and use it for --heldout/--calib")
     ap.add_argument("--calib", default=None, help="calibration set for GPTQ")
     ap.add_argument("--configs", default="w8a16,w4g64-rtn,w4g64-mse,w4g64-gptq")
     ap.add_argument("--max-texts", type=int, default=64)
@@ -47,6 +74,10 @@ def main() -> int:
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=512)
     args = ap.parse_args()
+    if args.docs_sets:
+        args.heldout, args.calib = docs_sets(args.docs_sets)
+    if not args.heldout:
+        ap.error("give --heldout (or --docs-sets DIR)")
 
     from evals.scorer import score
     from quantpipe.quantize import QuantConfig, quantize
