@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import gc
-import json
-import threading
-import time
+import statistics
 
 import httpx
 import pytest
 
 from tests.server.conftest import metric, wait_metric
+from tests.server.overload import burst
 
 MAX_QUEUED = 16
 CTX = 1024
@@ -126,84 +123,31 @@ def test_tokenize_roundtrip(server):
 
 # -- overload -------------------------------------------------------------------------------
 
-async def _raw_post(reader, writer, path: str, body: dict) -> tuple[int, dict, dict, float]:
-    data = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
-    t0 = time.perf_counter()
-    writer.write(head + data)
-    raw = await reader.read(-1)  # Connection: close -> EOF ends the response
-    elapsed = time.perf_counter() - t0
-    writer.close()
-    header_blob, _, payload = raw.partition(b"\r\n\r\n")
-    lines = header_blob.decode().split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-    return status, headers, json.loads(payload), elapsed
-
-
-def _burst(server, body) -> tuple[list, list[float]]:
-    """200 requests written at once on pre-opened connections; /health polled meanwhile."""
-    health_lat: list[float] = []
-    stop = threading.Event()
-
-    def poll_health():  # own thread and keep-alive connection: measures the server, not our loop
-        with httpx.Client(base_url=server.url, timeout=5) as c:
-            while not stop.is_set() and len(health_lat) < 2000:
-                t0 = time.perf_counter()
-                assert c.get("/health").status_code == 200
-                health_lat.append(time.perf_counter() - t0)
-                time.sleep(0.02)
-
-    async def burst():
-        conns = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", server.port) for _ in range(200)))
-        return await asyncio.wait_for(
-            asyncio.gather(*(_raw_post(r, w, "/v1/completions", body) for r, w in conns)), 300)
-
-    poller = threading.Thread(target=poll_health, daemon=True)
-    # This process has loaded models and data by the time the suite gets here: a full
-    # collection of its heap would pause the client for tens of ms and be counted as server
-    # latency. Collect now and keep the collector off while measuring.
-    gc.collect()
-    gc.disable()
-    poller.start()
-    try:
-        results = asyncio.run(burst())
-        time.sleep(0.2)
-    finally:
-        stop.set()
-        poller.join(10)
-        gc.enable()
-    return results, health_lat
-
-
 @pytest.mark.slow
 def test_overload_sheds_fast_and_admitted_complete(server):
+    """Past --max-queued-requests the server answers 429 at once and keeps /health live.
+
+    "At once" is checked against the server's own work, measured in the same burst: every
+    429 comes back before the median admitted request, and no /health poll waits as long
+    as that. Absolute latencies depend on the machine and its other load, so they are a
+    benchmark (benchmarks/bench_overload.py, BENCHMARKS.md "Overload"), not a test limit.
+    """
     body = {"prompt": "The three primary colors are", "max_tokens": 8, "temperature": 0}
     ref = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-    timing = []
-    # The box is shared (2 cores): timing gets one retry; every correctness check runs on every try.
-    for attempt in range(2):
-        before_queue = metric(server.url, "quantpipe:request_rejected_total", reason="queue")
-        results, health_lat = _burst(server, body)
-        statuses = [s for s, *_ in results]
-        assert set(statuses) <= {200, 429}, statuses
-        rejected = [(h, b, t) for s, h, b, t in results if s == 429]
-        admitted = [b for s, h, b, t in results if s == 200]
-        assert rejected and len(admitted) >= MAX_QUEUED
-        for headers, b, _ in rejected:
-            assert int(headers["retry-after"]) >= 1 and b["error"]["type"] == "rate_limit_error"
-        assert all(b["choices"][0]["text"] == ref and b["usage"]["completion_tokens"] == 8 for b in admitted)
-        assert metric(server.url, "quantpipe:request_rejected_total", reason="queue") == before_queue + len(rejected)
-        assert wait_metric(server.url, "quantpipe:kv_cache_usage_perc", 0.0, timeout=2.0) == 0.0
-        lat = sorted(t for *_, t in rejected)
-        timing.append((round(lat[0], 3), round(lat[len(lat) // 2], 3), round(lat[-1], 3), round(max(health_lat), 3)))
-        if lat[-1] < 0.1 and max(health_lat) < 0.05:
-            break
-    else:
-        import importlib.util
-
-        parser = "httptools" if importlib.util.find_spec("httptools") else \
-            "h11 (pure Python: too slow for this; install httptools)"
-        pytest.fail(f"429 min/median/max and /health max latency (s) per try: {timing}; HTTP parser: {parser}")
+    before_queue = metric(server.url, "quantpipe:request_rejected_total", reason="queue")
+    results, health_lat = burst(server, body)
+    statuses = [s for s, *_ in results]
+    assert set(statuses) <= {200, 429}, statuses
+    rejected = [(h, b, t) for s, h, b, t in results if s == 429]
+    admitted = [(b, t) for s, h, b, t in results if s == 200]
+    assert rejected and len(admitted) >= MAX_QUEUED
+    for headers, b, _ in rejected:
+        assert int(headers["retry-after"]) >= 1 and b["error"]["type"] == "rate_limit_error"
+    assert all(b["choices"][0]["text"] == ref and b["usage"]["completion_tokens"] == 8 for b, _ in admitted)
+    assert metric(server.url, "quantpipe:request_rejected_total", reason="queue") == before_queue + len(rejected)
+    assert wait_metric(server.url, "quantpipe:kv_cache_usage_perc", 0.0, timeout=2.0) == 0.0
+    served = statistics.median(t for _, t in admitted)
+    slowest_429 = max(t for *_, t in rejected)
+    timing = f"slowest 429 {slowest_429:.3f} s, /health max {max(health_lat):.3f} s, median admitted {served:.3f} s"
+    assert slowest_429 < served and max(health_lat) < served, timing
     good_request(server.url)
