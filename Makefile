@@ -17,14 +17,17 @@ RECIPE     ?= calib_sets/recipes/sample.yaml
 SCHEME     ?= W4A16
 GROUP_SIZE ?=
 METHOD     ?= gptq
-CALIB      ?= calib_sets/sample-set
-NAME       ?= $(shell echo $(SCHEME)-$(METHOD) | tr A-Z a-z)
+CALIB      ?=
+POLICY     ?=
+SUITE      ?=
+REGISTRY   ?=
+NAME       ?= $(shell echo smollm2-$(SCHEME)-$(METHOD) | tr A-Z a-z)
 
 # Set up once; redone when the package's requirements change.
 INSTALLED  := .venv/.quantpipe-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test serve bench demo calibrate quantize
+.PHONY: help setup test serve bench demo calibrate quantize eval gate
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -51,6 +54,14 @@ demo: ## set up, serve the default model, load-test it, print the report, stop
 calibrate: $(INSTALLED) ## sample calibration + held-out sets: RECIPE=..., LOGS=... override its logs, OUT=dir
 	$(QUANTPIPE) calibrate --recipe $(RECIPE) $(if $(LOGS),--logs "$(LOGS)") --out $(or $(OUT),calib_sets/sample-set) --overwrite
 
-quantize: $(INSTALLED) ## quantize MODEL (default model) with SCHEME, METHOD, GROUP_SIZE, CALIB into artifacts/NAME
-	$(QUANTPIPE) quantize $(MODEL) --scheme $(SCHEME) --method $(METHOD) $(if $(GROUP_SIZE),--group-size $(GROUP_SIZE)) \
-		$(if $(filter gptq,$(METHOD)),--calib $(CALIB)) --out artifacts/$(NAME) --overwrite
+quantize: $(INSTALLED) ## the whole pipeline: calibrate, quantize, eval, gate, publish MODEL as NAME (SCHEME, METHOD, LOGS|CALIB, POLICY)
+	$(QUANTPIPE) pipeline $(MODEL) --scheme $(SCHEME) --method $(METHOD) $(if $(GROUP_SIZE),--group-size $(GROUP_SIZE)) \
+		$(if $(LOGS),--logs "$(LOGS)") $(if $(CALIB),--calib $(CALIB)) $(if $(POLICY),--policy $(POLICY)) \
+		$(if $(SUITE),--suite $(SUITE)) $(if $(REGISTRY),--registry-uri $(REGISTRY)) --recipe $(RECIPE) --name $(NAME)
+
+eval: $(INSTALLED) ## A/B artifacts/NAME against its source model on CALIB (default calib_sets/NAME-set) into reports/NAME
+	$(QUANTPIPE) eval --candidate artifacts/$(NAME) --calib $(or $(CALIB),calib_sets/$(NAME)-set) \
+		$(if $(SUITE),--suite $(SUITE)) --out reports/$(NAME) --overwrite
+
+gate: $(INSTALLED) ## judge reports/NAME against POLICY (default evals/gates/default.yaml)
+	$(QUANTPIPE) gate reports/$(NAME) --artifact artifacts/$(NAME) $(if $(POLICY),--policy $(POLICY))

@@ -9,7 +9,11 @@ import click
 
 from quantpipe import __version__
 from quantpipe.calibrate.cli import calibrate_command
+from quantpipe.eval.cli import eval_command
+from quantpipe.gate import gate_command
+from quantpipe.pipeline import pipeline_command
 from quantpipe.quantize.cli import quantize_command
+from quantpipe.registry.cli import promote_command, publish_command, registry_group, rollback_command
 from quantpipe.runtime.bench.cli import bench
 from quantpipe.runtime.cli import export_hf, generate
 from quantpipe.runtime.server.cli import serve_command
@@ -21,13 +25,19 @@ from quantpipe.runtime.utils import run_click
 def cli() -> None:
     """Quantize LLMs calibrated on production traffic; verify, gate and publish them.
 
-    Stages: calibrate, quantize. Runtime: serve, generate, bench, export-hf.
+    Stages: calibrate, quantize, eval, gate, publish (promote, rollback); `pipeline` runs them all.
+    Runtime: serve, generate, bench, export-hf.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 cli.add_command(calibrate_command)
 cli.add_command(quantize_command)
+cli.add_command(eval_command)
+cli.add_command(gate_command)
+cli.add_command(pipeline_command)
+for command in (publish_command, promote_command, rollback_command, registry_group):
+    cli.add_command(command)
 cli.add_command(serve_command)
 cli.add_command(generate)
 cli.add_command(export_hf)

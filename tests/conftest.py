@@ -52,3 +52,27 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: list[int]) -> lis
                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long))
             out.append(gen[0, len(ids):].tolist())
     return out
+
+
+@pytest.fixture(scope="session")
+def sample_set(tmp_path_factory):
+    """The calibration set of the shipped sample log (calib_sets/recipes/sample.yaml)."""
+    from quantpipe.calibrate import CalibConfig, calibrate
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path_factory.mktemp("calib") / "sample-set"
+    cwd = os.getcwd()
+    os.chdir(root)  # the recipe names its log relative to the project
+    try:
+        calibrate(CalibConfig.from_recipe(os.path.join("calib_sets", "recipes", "sample.yaml"), out=str(out)))
+    finally:
+        os.chdir(cwd)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def w8a16_artifact(tmp_path_factory):
+    """The default model as a W8A16 (RTN, per channel) artifact; tests copy it before changing it."""
+    from quantpipe.quantize import QuantConfig, quantize
+
+    return str(quantize(None, QuantConfig(scheme="W8A16"), None, str(tmp_path_factory.mktemp("w8") / "w8a16")).path)

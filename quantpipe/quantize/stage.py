@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quantpipe.artifact import artifact_sha256, model_sha256
 from quantpipe.manifest import (
     MANIFEST_VERSION,
     StageError,
@@ -46,21 +47,6 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 class Artifact:
     path: Path
     manifest: dict
-
-
-def artifact_sha256(path: str | os.PathLike) -> str:
-    """One hash over the files that define the model (not the manifest, which records timings)."""
-    path = Path(path)
-    parts = []
-    for f in sorted(p for p in path.iterdir() if p.is_file() and p.name not in ("quantpipe.json", "kernels.json")):
-        parts.append(f"{f.name}:{sha256_file(f)}")
-    return sha256_bytes("\n".join(parts).encode())
-
-
-def _source_sha256(path: str) -> str:
-    if os.path.isfile(path):
-        return sha256_file(path)
-    return artifact_sha256(path)
 
 
 def calibration_texts(calib: str | None) -> tuple[list[str], dict]:
@@ -359,7 +345,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         phases["write_s"] = time.perf_counter() - t
         manifest = {
             "stage": "quantize", "manifest_version": MANIFEST_VERSION, "code_version": code_version(),
-            "source_model": {"path": os.path.basename(os.path.normpath(src)), "sha256": _source_sha256(src),
+            "source_model": {"path": os.path.basename(os.path.normpath(src)), "sha256": model_sha256(src),
                              "architecture": mcfg.architecture},
             "scheme": cfg.scheme, "weights": "mixed" if cfg.scheme == "mixed" else scheme.describe(),
             "method": cfg.method, "parameters": cfg.to_dict(),

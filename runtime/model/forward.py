@@ -49,3 +49,37 @@ def sequence_logits(model: LlamaForCausalLM, ids: list[int] | torch.Tensor) -> t
     for i in range(len(model.layers)):
         x = run.layer(i, x)
     return run.logits(x)
+
+
+@torch.inference_mode()
+def continuation_logits(model: LlamaForCausalLM, prefix: list[int], conts: list[list[int]]) -> list[torch.Tensor]:
+    """float32 logits [len(cont), V] predicting each continuation's tokens after `prefix`.
+
+    One flat pass: the prefix once (a causal span), then each continuation as a span that
+    reads the prefix's K/V from the scratch cache and its own, never another
+    continuation's. Multiple-choice scoring uses it for an item's choices: the prefix is
+    computed once however many choices there are, and a fixed item always gives the
+    same numbers. lm_head runs only on the rows that predict continuation tokens.
+    """
+    p = next(model.parameters())
+    cfg, dev = model.config, p.device
+    n0 = len(prefix)
+    ids = torch.tensor(prefix + [t for c in conts for t in c], dtype=torch.long, device=dev)
+    spans, positions, rows, at = [PrefillSpan(0, n0, n0, None)], [torch.arange(n0, device=dev)], [], n0
+    for c in conts:
+        k = len(c)
+        table = torch.cat([torch.arange(n0, device=dev), torch.arange(at, at + k, device=dev)])
+        causal = torch.ones(k, n0 + k, dtype=torch.bool, device=dev).tril(n0)  # row j sees prefix + own 0..j
+        spans.append(PrefillSpan(at, k, n0 + k, table, causal))
+        positions.append(torch.arange(n0, n0 + k, device=dev))
+        rows.append(torch.cat([torch.tensor([n0 - 1], device=dev), torch.arange(at, at + k - 1, device=dev)]))
+        at += k
+    meta = AttentionMetadata(slot_mapping=torch.arange(at, device=dev), block_size=1, prefills=spans)
+    dtype = model.embed_tokens.weight.dtype
+    kv = torch.empty((2, at, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=dev)
+    cos, sin = model.rotary(torch.cat(positions), dtype)
+    x = model.embed_tokens(ids)
+    for layer in model.layers:
+        x = layer(x, cos, sin, (kv[0], kv[1]), meta)
+    logits = model.lm_head(model.norm(x.index_select(0, torch.cat(rows)))).float()
+    return list(logits.split([len(c) for c in conts]))

@@ -89,6 +89,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)
     model = args.model_flag or args.model
+    if model and model.startswith("models:/"):  # a registry URI: serve the artifact it names
+        from quantpipe.registry import RegistryError, resolve_model_uri
+
+        try:
+            model = resolve_model_uri(model)
+        except RegistryError as e:
+            print(f"quantpipe serve: {e}", file=sys.stderr)
+            return 2
     try:
         config = ServerConfig(
             host=args.host, port=args.port, served_model_name=args.served_model_name, api_keys=_api_keys(args),

@@ -1,0 +1,166 @@
+"""Latency A/B: baseline and candidates served in turn by `quantpipe serve`, same load.
+
+The workload is the held-out traffic itself: each request sends a held-out prompt (as
+token ids, so both servers see identical input) and asks for as many tokens as the
+logged reply had (capped at `max_output_tokens`, with ignore_eos so the length is
+exact). Servers never overlap: one runs, is measured and stopped before the next
+starts, and the order alternates per repeat (A B B A ...) so a machine that slows down
+over the run does not favour one side. Ratios are candidate / baseline within a repeat;
+the report gives their median and spread over repeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from quantpipe.evals.generation import prompts_from
+from quantpipe.manifest import StageError
+from quantpipe.runtime.bench.metrics import metric_values
+from quantpipe.runtime.bench.runner import Runner, Target
+from quantpipe.runtime.bench.scrape import Scraper
+from quantpipe.runtime.workload.materialize import Request
+from quantpipe.runtime.workload.requests import RequestSpec
+
+log = logging.getLogger("quantpipe.eval")
+# (report key, record metric, statistic): what each run reports; ratios use the same keys
+LATENCY_KEYS = [("ttft_p50_s", "ttft", 50), ("ttft_p99_s", "ttft", 99), ("tpot_p50_s", "tpot", 50),
+                ("tpot_p99_s", "tpot", 99), ("e2e_p50_s", "e2e", 50), ("e2e_p95_s", "e2e", 95),
+                ("e2e_p99_s", "e2e", 99)]
+
+
+def workload(rows: list[dict], tokenizer, n: int, max_output_tokens: int, max_model_len: int) -> list[Request]:
+    prompts = prompts_from([r["text"] for r in rows], tokenizer)
+    reqs = []
+    for i in range(n):  # cycle through the held-out set when asked for more requests than it has
+        row, ids = rows[i % len(rows)], prompts[i % len(rows)]
+        reply = max(1, len(tokenizer.encode(row["text"])) - len(ids))
+        out = min(reply, max_output_tokens)
+        ids = ids[: max_model_len - out]
+        spec = RequestSpec(index=i, arrival_s=0.0, prompt_tokens=len(ids), output_tokens=out, new_tokens=len(ids))
+        reqs.append(Request(spec, tokenizer.decode(ids), ids, "model"))
+    return reqs
+
+
+class Served:
+    """`python -m quantpipe.runtime.server` on a free 127.0.0.1 port, stopped on exit."""
+
+    def __init__(self, model: str | None, max_model_len: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile(mode="w+")
+        cmd = [sys.executable, "-m", "quantpipe.runtime.server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float32", "--max-model-len", str(max_model_len), "--log-level", "warning"]
+        if model:
+            cmd += ["--model", model]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+
+    def __enter__(self) -> Served:
+        end = time.monotonic() + 180
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise StageError(f"latency: the server for this model exited with {self.proc.returncode}:\n"
+                                 f"{self.log.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.__exit__(None, None, None)
+        raise StageError("latency: the server was not ready within 180 s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+async def _drive(url: str, reqs: list[Request], concurrency: int) -> dict:
+    runner = Runner(Target(url, send_token_ids=True, ignore_eos=True, timeout_s=600))
+    await runner.preflight()
+    await runner.closed_loop(reqs[:2], 2, stage="warmup")
+    scraper = Scraper(url, runner.clock0, interval_s=0.25)
+    scraper.start()
+    t0 = runner.now()
+    try:
+        recs = await runner.closed_loop(reqs, concurrency)
+    finally:
+        t1 = runner.now()
+        await scraper.stop()
+        await runner.aclose()
+    ok = [r for r in recs if r.ok]
+    span = max(r.end for r in ok) - min(r.actual_send for r in recs) if ok else 0.0
+    out = {"requests": len(recs), "completed": len(ok), "error_rate": 1 - len(ok) / len(recs),
+           "timeout_rate": sum(r.timed_out for r in recs) / len(recs),
+           "output_tokens_per_s": sum(r.output_tokens for r in ok) / span if span > 0 else 0.0}
+    for key, metric, p in LATENCY_KEYS:
+        values = metric_values(recs, metric)
+        out[key] = float(statistics.quantiles(values, n=100, method="inclusive")[p - 1]) if len(values) > 1 else (
+            float(values[0]) if len(values) else None)
+    window = [v for _, v in scraper.window(t0, t1)]
+    rss = [v["process_resident_memory_bytes"] for v in window if "process_resident_memory_bytes" in v]
+    kv = [v["kv_cache_usage_perc"] for v in window if "kv_cache_usage_perc" in v]
+    out["peak_rss_bytes"] = max(rss) if rss else None
+    out["peak_kv_cache_usage"] = max(kv) if kv else None
+    return out
+
+
+def _one_run(model: str | None, reqs: list[Request], cfg: dict, max_model_len: int) -> dict:
+    with Served(model, max_model_len) as server:
+        return asyncio.run(_drive(server.url, reqs, cfg["concurrency"]))
+
+
+# run key -> ratio key in the report (what gate policies name)
+RATIOS = {**{k: k.removesuffix("_s") + "_ratio" for k, *_ in LATENCY_KEYS},
+          "output_tokens_per_s": "output_tokens_per_s_ratio", "peak_rss_bytes": "peak_rss_ratio"}
+
+
+def latency_ab(baseline: str | None, candidates: list[str], rows: list[dict], cfg: dict,
+               progress: bool = False, max_model_len: int = 2048) -> dict:
+    from quantpipe.runtime.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(baseline)
+    reqs = workload(rows, tokenizer, cfg["requests"], cfg["max_output_tokens"], max_model_len)
+    models = [baseline] + list(candidates)
+    runs: list[list[dict]] = [[] for _ in models]
+    for r in range(cfg["repeats"]):
+        order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
+        for i in order:
+            log.info("latency: repeat %d/%d, %s", r + 1, cfg["repeats"], models[i] or "baseline")
+            runs[i].append(_one_run(models[i], reqs, cfg, max_model_len))
+    sections = []
+    for j in range(1, len(models)):
+        ratios = {}
+        for key, name in RATIOS.items():
+            per = [c[key] / b[key] for b, c in zip(runs[0], runs[j]) if b.get(key) and c.get(key) is not None]
+            ratios[name] = (
+                {"point": statistics.median(per), "min": min(per), "max": max(per), "repeats": len(per)}
+                if per else None)
+        errors = max(run["error_rate"] for run in runs[j])
+        sections.append({"baseline_runs": runs[0], "candidate_runs": runs[j], "error_rate": errors,
+                         "workload": {"requests": len(reqs), "concurrency": cfg["concurrency"],
+                                      "prompt_tokens": sum(q.spec.prompt_tokens for q in reqs),
+                                      "output_tokens": sum(q.spec.output_tokens for q in reqs)},
+                         **ratios})
+    return {"candidates": sections}

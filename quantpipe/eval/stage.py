@@ -1,0 +1,193 @@
+"""`quantpipe eval`: A/B one or more candidate artifacts against their baseline.
+
+Quality (teacher-forced perplexity, KL, agreement, per stratum with paired bootstrap
+CIs), greedy generation agreement, and multiple-choice accuracy run in this process on
+the runtime's model code in float32; latency serves each model with `quantpipe serve` in
+turn (latency.py). Everything lands in one report.json (and report.html), written
+through a temporary folder, with the sha256 of every input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quantpipe.artifact import artifact_sha256, model_sha256, read_manifest
+from quantpipe.eval.suite import EvalSuite
+from quantpipe.evals import generation, mc
+from quantpipe.evals.scorer import score
+from quantpipe.evals.stats import mean_with_se, quality_with_ci
+from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output, write_json
+
+log = logging.getLogger("quantpipe.eval")
+SCOPES = ("full", "quality", "latency")
+KL_BINS = [0.0] + [10.0 ** e for e in np.arange(-6, 1.01, 0.5)]  # per-token KL histogram edges (nats)
+
+
+def resolve_baseline(baseline: str | None, manifests: list[dict]) -> tuple[str | None, str]:
+    """(model argument for the loader, its sha256); checks every candidate came from it."""
+    from quantpipe.runtime.model.loader import resolve_model_path
+
+    try:
+        path = resolve_model_path(baseline)
+    except ValueError as e:
+        raise StageError(f"--baseline: {e}") from None
+    sha = model_sha256(path)
+    for m in manifests:
+        src = m["source_model"]
+        if src["sha256"] != sha:
+            hint = "" if baseline else " (--baseline defaults to the default model; pass the source model)"
+            raise StageError(f"--baseline {baseline or path}: sha256 {sha[:12]} is not the source model of "
+                             f"{m['_path']} ({src['path']}, sha256 {src['sha256'][:12]}){hint}")
+    return baseline, sha
+
+
+def load_heldout(calib: str, max_texts: int, seed: int) -> tuple[list[dict], dict]:
+    p = Path(calib)
+    f = p / "heldout.jsonl"
+    if not f.is_file():
+        raise StageError(f"--calib {calib}: not a calibration set (no heldout.jsonl); make one with "
+                         f"`quantpipe calibrate`")
+    rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows:
+        raise StageError(f"--calib {calib}: heldout.jsonl is empty")
+    if len(rows) > max_texts:  # a seeded subset; the held-out set is already stratified
+        keep = sorted(np.random.default_rng(seed).choice(len(rows), max_texts, replace=False))
+        rows = [rows[i] for i in keep]
+    info = {"path": str(p), "sha256": sha256_file(f), "rows": len(rows)}
+    if (p / "manifest.json").is_file():
+        info["manifest_sha256"] = sha256_file(p / "manifest.json")
+    return rows, info
+
+
+def stratum_groups(rows: list[dict]) -> dict[str, list[int]]:
+    """Text indices per stratum value: one group per `dimension=value` of the calibration strata."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        for dim, value in sorted((r.get("strata") or {}).items()):
+            groups[f"{dim}={value}"].append(i)
+    return dict(sorted(groups.items()))
+
+
+def kl_histogram(scores) -> list[int]:
+    kl = np.concatenate([t.kl for t in scores.texts]) if scores.texts else np.zeros(0)
+    return np.histogram(np.clip(kl, 0, KL_BINS[-1]), bins=KL_BINS)[0].tolist()
+
+
+def quality_section(scores, groups: dict[str, list[int]], q: dict) -> dict:
+    ci = dict(replicates=q["bootstrap"], seed=q["seed"])
+    out = quality_with_ci(scores, list(range(len(scores.texts))), **ci)
+    out["strata"] = {name: quality_with_ci(scores, idx, **ci) for name, idx in groups.items()}
+    out["kl_histogram"] = {"edges": KL_BINS, "counts": kl_histogram(scores)}
+    return out
+
+
+def _weight_bytes(m: dict) -> dict:
+    b = m["bytes"]
+    return {"weight_bytes_ratio": b["ratio"], "quantized_linear_bytes": b["quantized_linears"],
+            "bf16_linear_bytes": b["bf16_equivalent"]}
+
+
+def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None = None,
+             suite: EvalSuite | None = None, scope: str = "full", overwrite: bool = False,
+             progress: bool = False) -> dict:
+    """Write report.json and report.html into `out`; returns the report."""
+    from quantpipe.runtime.model.loader import load_model
+
+    t_start = time.perf_counter()
+    suite = suite or EvalSuite.load()
+    if scope not in SCOPES:
+        raise StageError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}")
+    if not candidates:
+        raise StageError("--candidate: at least one artifact to evaluate")
+    if len(set(map(os.path.realpath, candidates))) != len(candidates):
+        raise StageError("--candidate: the same artifact is named twice")
+    if Path(out).exists() and not overwrite:
+        raise StageError(f"--out {out} already exists (pass --overwrite to replace it)")
+    manifests = []
+    for c in candidates:
+        m = read_manifest(c, "--candidate")
+        m["_path"] = c
+        manifests.append(m)
+    baseline, baseline_sha = resolve_baseline(baseline, manifests)
+    q, g = suite.quality, suite.generation
+    rows, heldout_info = load_heldout(calib, q["max_texts"], q["seed"])
+    texts = [r["text"] for r in rows]
+    groups = stratum_groups(rows)
+
+    entries = [{"name": Path(c).name, "path": str(c), "sha256": artifact_sha256(c), "scheme": m["scheme"],
+                "weights": m["weights"], "method": m["method"], "memory": _weight_bytes(m)}
+               for c, m in zip(candidates, manifests)]
+    phases: dict[str, float] = {}
+    if scope in ("full", "quality"):
+        t = time.perf_counter()
+        base_model, _, tokenizer = load_model(baseline, torch.float32)
+        if tokenizer is None:
+            raise StageError("--baseline: the quality suite needs the model's tokenizer")
+        cache: dict = {}
+        prompts = generation.prompts_from(texts[: g["prompts"]], tokenizer) if g["prompts"] else []
+        base_gen = generation.greedy(baseline, prompts, g["max_tokens"]) if prompts else []
+        tasks = suite.mc["tasks"]
+        mc_base = mc.evaluate({"baseline": base_model}, tokenizer, tasks, suite.mc["limit"]) if tasks else {}
+        for c, entry in zip(candidates, entries):
+            log.info("quality: %s against the baseline on %d held-out texts", entry["name"], len(texts))
+            cand_model, _, _ = load_model(c, torch.float32)
+            scores = score(base_model, cand_model, tokenizer, texts, max_tokens=q["max_tokens"], cache=cache)
+            if len(scores.texts) != len(texts):
+                raise StageError(f"--calib {calib}: {len(texts) - len(scores.texts)} held-out texts are "
+                                 f"shorter than 2 tokens")
+            entry["quality"] = quality_section(scores, groups, q)
+            if prompts:
+                agree = generation.agreement(base_gen, generation.greedy(c, prompts, g["max_tokens"]))
+                entry["generation"] = {"prompts": len(prompts), "max_tokens": g["max_tokens"],
+                                       "exact_match": mean_with_se(agree["exact"]),
+                                       "prefix_match_mean": mean_with_se(agree["prefix"])}
+            if tasks:
+                res = mc.evaluate({"candidate": cand_model}, tokenizer, tasks, suite.mc["limit"])
+                merged = {name: {**mc_base[name], **res[name]} for name in tasks}
+                entry["mc"] = mc.summarize(merged, "baseline", "candidate")
+            del cand_model
+        phases["quality_s"] = time.perf_counter() - t
+    if scope in ("full", "latency"):
+        from quantpipe.eval.latency import latency_ab
+
+        t = time.perf_counter()
+        lat = latency_ab(baseline, candidates, rows, suite.latency, progress=progress)
+        for entry, section in zip(entries, lat["candidates"]):
+            entry["latency"] = section
+        phases["latency_s"] = time.perf_counter() - t
+
+    report = {
+        "stage": "eval", "manifest_version": MANIFEST_VERSION, "code_version": code_version(),
+        "scope": scope, "suite": suite.to_dict(), "suite_path": suite.path,
+        "baseline": {"model": baseline or "default", "sha256": baseline_sha},
+        "heldout": heldout_info, "strata": {k: len(v) for k, v in groups.items()},
+        "candidates": entries, "versions": _versions(),
+    }
+    with staged_output(out, overwrite=overwrite) as tmp:
+        from quantpipe.eval.html import report_html
+
+        phases["total_s"] = time.perf_counter() - t_start
+        report["time_s"] = {k: round(v, 1) for k, v in phases.items()}
+        write_json(tmp / "report.json", report)
+        (tmp / "report.html").write_text(report_html(report), encoding="utf-8")
+    return report
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("torch", "transformers", "safetensors", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out

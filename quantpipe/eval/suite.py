@@ -1,0 +1,74 @@
+"""EvalSuite: what `quantpipe eval` measures (evals/suites/*.yaml), validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+import quantpipe.evals
+from quantpipe.manifest import StageError
+
+DEFAULT_SUITE = Path(quantpipe.evals.__file__).resolve().parent / "suites" / "default.yaml"
+
+_DEFAULTS = {
+    "quality": {"max_texts": 256, "max_tokens": 512, "bootstrap": 1000, "seed": 0},
+    "generation": {"prompts": 64, "max_tokens": 32},
+    "mc": {"tasks": [], "limit": 200},
+    "latency": {"repeats": 2, "requests": 32, "concurrency": 8, "max_output_tokens": 64},
+}
+_LIMITS = {  # (section, key): (smallest, largest)
+    ("quality", "max_texts"): (1, 100_000), ("quality", "max_tokens"): (2, 8192),
+    ("quality", "bootstrap"): (100, 100_000), ("quality", "seed"): (0, 2**32 - 1),
+    ("generation", "prompts"): (0, 10_000), ("generation", "max_tokens"): (1, 1024),
+    ("mc", "limit"): (1, 100_000),
+    ("latency", "repeats"): (1, 20), ("latency", "requests"): (1, 10_000),
+    ("latency", "concurrency"): (1, 1024), ("latency", "max_output_tokens"): (1, 4096),
+}
+
+
+@dataclass
+class EvalSuite:
+    quality: dict = field(default_factory=lambda: dict(_DEFAULTS["quality"]))
+    generation: dict = field(default_factory=lambda: dict(_DEFAULTS["generation"]))
+    mc: dict = field(default_factory=lambda: dict(_DEFAULTS["mc"]))
+    latency: dict = field(default_factory=lambda: dict(_DEFAULTS["latency"]))
+    path: str | None = None
+
+    @classmethod
+    def load(cls, path: str | None = None) -> EvalSuite:
+        path = str(path or DEFAULT_SUITE)
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise StageError(f"--suite {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise StageError(f"--suite {path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise StageError(f"--suite {path}: must be a mapping of sections")
+        unknown = set(data) - set(_DEFAULTS)
+        if unknown:
+            raise StageError(f"--suite {path}: unknown sections {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+        sections = {}
+        for name, defaults in _DEFAULTS.items():
+            given = data.get(name) or {}
+            if not isinstance(given, dict) or set(given) - set(defaults):
+                raise StageError(f"--suite {path}: {name} takes {sorted(defaults)}; got {given!r}")
+            sections[name] = {**defaults, **given}
+        suite = cls(**sections, path=path)
+        suite.validate()
+        return suite
+
+    def validate(self) -> None:
+        for (section, key), (lo, hi) in _LIMITS.items():
+            v = getattr(self, section)[key]
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise StageError(f"suite {section}.{key} must be an integer in [{lo}, {hi}]; got {v!r}")
+        tasks = self.mc["tasks"]
+        if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
+            raise StageError(f"suite mc.tasks must be a list of task names; got {tasks!r}")
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "path"}

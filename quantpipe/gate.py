@@ -1,0 +1,222 @@
+"""`quantpipe gate`: judge one candidate of an eval report against a declarative policy.
+
+Exit 0 when every rule passes, 1 when any fails, 2 when the gate cannot judge: a missing
+metric, a stratum a rule names that the report lacks or that has no texts, a report for
+another artifact than the one named, or a report whose scope leaves out every rule.
+Never a pass on missing data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import yaml
+
+import quantpipe.evals
+from quantpipe.manifest import StageError, code_version, sha256_file
+
+OPS = {"<=": lambda v, t: v <= t, "<": lambda v, t: v < t, ">=": lambda v, t: v >= t, ">": lambda v, t: v > t}
+COMPARES = ("point", "ci_lower", "ci_upper")
+SECTIONS = {"quality": "quality", "generation": "quality", "mc": "quality", "memory": "any", "latency": "latency"}
+DEFAULT_POLICY = Path(quantpipe.evals.__file__).resolve().parent / "gates" / "default.yaml"
+
+
+@dataclass(frozen=True)
+class Rule:
+    metric: str
+    compare: str
+    op: str
+    threshold: float
+
+    @property
+    def section(self) -> str:
+        return SECTIONS[self.metric.split(".", 1)[0]]
+
+    def describe(self) -> str:
+        which = "" if self.compare == "point" else f" ({self.compare})"
+        return f"{self.metric}{which} {self.op} {self.threshold:g}"
+
+
+def load_policy(path: str) -> tuple[list[Rule], dict]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise StageError(f"--policy {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise StageError(f"--policy {path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rules"), list) or not data["rules"]:
+        raise StageError(f"--policy {path}: needs a non-empty `rules` list")
+    rules = []
+    for i, r in enumerate(data["rules"]):
+        where = f"--policy {path}: rules[{i}]"
+        if not isinstance(r, dict) or set(r) - {"metric", "compare", "op", "threshold"}:
+            raise StageError(f"{where} takes metric, compare, op and threshold; got {r!r}")
+        metric, compare, op, thr = r.get("metric"), r.get("compare", "point"), r.get("op"), r.get("threshold")
+        if not isinstance(metric, str) or metric.split(".", 1)[0] not in SECTIONS:
+            raise StageError(f"{where}.metric must start with one of {', '.join(SECTIONS)}; got {metric!r}")
+        if compare not in COMPARES:
+            raise StageError(f"{where}.compare must be one of {', '.join(COMPARES)}; got {compare!r}")
+        if op not in OPS:
+            raise StageError(f"{where}.op must be one of {' '.join(OPS)}; got {op!r}")
+        if not isinstance(thr, (int, float)) or isinstance(thr, bool):
+            raise StageError(f"{where}.threshold must be a number; got {thr!r}")
+        rules.append(Rule(metric, compare, op, float(thr)))
+    return rules, {"name": data.get("name", Path(path).stem), "path": str(path), "sha256": sha256_file(path)}
+
+
+def resolve(obj, path: str) -> list[tuple[str, object]]:
+    """[(concrete path, value)] for a dotted path; keys may contain dots (strata names do),
+    so each level takes the key the path continues with; `*` takes every key."""
+    if path == "":
+        return [("", obj)]
+    if not isinstance(obj, dict):
+        return []
+    if path == "*" or path.startswith("*."):
+        rest = path[2:]
+        return [(f"{k}.{p}".rstrip("."), v) for k in obj for p, v in resolve(obj[k], rest)]
+    for key in sorted(obj, key=len, reverse=True):
+        if path == key or path.startswith(key + "."):
+            return [(f"{key}.{p}".rstrip("."), v) for p, v in resolve(obj[key], path[len(key) + 1:])]
+    return []
+
+
+def _value(v, compare: str) -> tuple[float | None, str | None]:
+    if isinstance(v, dict):
+        if compare not in v:
+            return None, f"has no {compare}"
+        v = v[compare]
+    elif compare != "point":
+        return None, f"is a plain number, it has no {compare}"
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        return None, f"is {v!r}"
+    return float(v), None
+
+
+def judge(report: dict, candidate: dict, rules: list[Rule]) -> list[dict]:
+    scope = report.get("scope")
+    out = []
+    for rule in rules:
+        row = {"rule": rule.describe(), "metric": rule.metric, "compare": rule.compare, "op": rule.op,
+               "threshold": rule.threshold}
+        if rule.section != "any" and scope not in (rule.section, "full"):
+            out.append({**row, "result": "skipped", "reason": f"report scope is {scope}"})
+            continue
+        found = resolve(candidate, rule.metric)
+        if not found:
+            out.append({**row, "result": "cannot_judge", "reason": "metric not in the report"})
+            continue
+        for path, v in found:
+            r = {**row, "metric": path}
+            stratum = _stratum_of(candidate, path)
+            if stratum is not None and not stratum.get("texts"):
+                out.append({**r, "result": "cannot_judge", "reason": "stratum has no texts"})
+                continue
+            value, why = _value(v, rule.compare)
+            if value is None:
+                out.append({**r, "result": "cannot_judge", "reason": f"value {why}"})
+            else:
+                out.append({**r, "value": value, "result": "pass" if OPS[rule.op](value, rule.threshold) else "fail"})
+    return out
+
+
+def _stratum_of(candidate: dict, path: str) -> dict | None:
+    prefix = "quality.strata."
+    if not path.startswith(prefix):
+        return None
+    strata = candidate.get("quality", {}).get("strata", {})
+    rest = path[len(prefix):]
+    for name in sorted(strata, key=len, reverse=True):
+        if rest.startswith(name + "."):
+            return strata[name]
+    return None
+
+
+def gate(report_dir: str, policy: str, candidate: str | None = None, artifact: str | None = None,
+         out: str | None = None) -> tuple[int, dict]:
+    """(exit code, verdict); writes verdict.json (into the report folder unless `out`)."""
+    from quantpipe.artifact import artifact_sha256
+
+    rpath = Path(report_dir) / "report.json"
+    if not rpath.is_file():
+        raise StageError(f"report {report_dir}: no report.json; make one with `quantpipe eval`")
+    report = json.loads(rpath.read_text())
+    rules, policy_info = load_policy(policy)
+    cands = report.get("candidates") or []
+    if candidate is None:
+        if len(cands) != 1:
+            raise StageError(f"report {report_dir} has {len(cands)} candidates "
+                             f"({', '.join(c['name'] for c in cands)}); name one with --candidate")
+        cand = cands[0]
+    else:
+        named = [c for c in cands if c["name"] == candidate]
+        if not named:
+            raise StageError(f"--candidate {candidate}: not in report {report_dir} "
+                             f"(has {', '.join(c['name'] for c in cands)})")
+        cand = named[0]
+    rows = judge(report, cand, rules)
+    problems = []
+    if artifact is not None:
+        current = artifact_sha256(artifact)
+        if current != cand["sha256"]:
+            problems.append(f"--artifact {artifact}: sha256 {current[:12]} is not the evaluated candidate's "
+                            f"{cand['sha256'][:12]} (the artifact changed after its eval, or it is another one)")
+    if all(r["result"] == "skipped" for r in rows):
+        problems.append(f"report scope {report.get('scope')} leaves every rule of the policy out")
+    results = {r["result"] for r in rows}
+    if "fail" in results:
+        verdict, code = "fail", 1
+    elif "cannot_judge" in results or problems:
+        verdict, code = "cannot_judge", 2
+    else:
+        verdict, code = "pass", 0
+    doc = {"verdict": verdict, "passed": verdict == "pass", "scope": report.get("scope"), "rules": rows,
+           "problems": problems, "candidate": {"name": cand["name"], "sha256": cand["sha256"], "path": cand["path"]},
+           "report": {"path": str(rpath), "sha256": sha256_file(rpath)}, "policy": policy_info,
+           "baseline": report.get("baseline"), "heldout": report.get("heldout"), "code_version": code_version()}
+    target = Path(out) if out else Path(report_dir) / "verdict.json"
+    _write_atomic(target, doc)
+    return code, doc
+
+
+def _write_atomic(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+MARK = {"pass": "PASS", "fail": "FAIL", "cannot_judge": "N/A ", "skipped": "skip"}
+
+
+@click.command("gate", help="Judge an eval report against a gate policy; exit 0 pass, 1 fail, 2 cannot judge.")
+@click.argument("report_dir")
+@click.option("--policy", default=str(DEFAULT_POLICY), show_default="evals/gates/default.yaml")
+@click.option("--candidate", default=None, help="candidate name in a report with several")
+@click.option("--artifact", default=None, help="artifact folder: refuse to judge unless it is the evaluated one")
+@click.option("--out", default=None, help="verdict file [default: REPORT_DIR/verdict.json]")
+def gate_command(report_dir, policy, candidate, artifact, out) -> int:
+    try:
+        code, doc = gate(report_dir, policy, candidate, artifact, out)
+    except StageError as e:
+        click.echo(f"quantpipe gate: {e}", err=True)
+        return 2
+    for r in doc["rules"]:
+        value = f"{r['value']:.4g}" if "value" in r else r.get("reason", "")
+        click.echo(f"{MARK[r['result']]}  {r['metric']} ({r['compare']}) = {value}  [{r['op']} {r['threshold']:g}]")
+    for p in doc["problems"]:
+        click.echo(f"N/A   {p}")
+    click.echo(f"verdict: {doc['verdict']} ({doc['candidate']['name']}, policy {doc['policy']['name']}, "
+               f"scope {doc['scope']})")
+    return code

@@ -1,0 +1,98 @@
+"""`quantpipe publish | promote | rollback | registry serve`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import click
+
+from quantpipe.manifest import StageError
+
+registry_option = click.option("--registry-uri", default=None, show_default="sqlite:///.quantpipe/registry.db",
+                               help="sqlite:///PATH or http://host:port [env: MLFLOW_TRACKING_URI]")
+
+
+def _uri(given: str | None) -> str:
+    from quantpipe.registry import DEFAULT_REGISTRY
+
+    return given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_REGISTRY
+
+
+def _run(what: str, fn) -> int:
+    try:
+        fn()
+    except StageError as e:
+        click.echo(f"quantpipe {what}: {e}", err=True)
+        return 2
+    return 0
+
+
+@click.command("publish", help="Register an artifact that passed its gate (alias candidate) in the MLflow registry.")
+@click.argument("artifact")
+@click.option("--verdict", "verdict", required=True, help="verdict.json from `quantpipe gate`")
+@click.option("--name", required=True, help="registered model name")
+@click.option("--policy", default=None, help="the project's gate policy [default: evals/gates/default.yaml]")
+@click.option("--allow-partial", is_flag=True, help="publish a quality-only or latency-only verdict (tagged)")
+@registry_option
+def publish_command(artifact, verdict, name, policy, allow_partial, registry_uri) -> int:
+    from quantpipe.registry import publish
+
+    def go():
+        r = publish(artifact, verdict, name, _uri(registry_uri), policy, allow_partial)
+        click.echo(f"published {r['uri']} (alias candidate, run {r['run_id']}) in {r['registry_uri']}")
+
+    return _run("publish", go)
+
+
+@click.command("promote", help="Move alias champion to a version that passed its gate (the old one becomes previous).")
+@click.argument("name")
+@click.option("--version", required=True)
+@click.option("--reason", default="")
+@registry_option
+def promote_command(name, version, reason, registry_uri) -> int:
+    from quantpipe.registry import promote
+
+    def go():
+        r = promote(name, version, _uri(registry_uri), reason)
+        click.echo(f"{name}: champion is version {r['champion']} (previous: {r['previous']})")
+
+    return _run("promote", go)
+
+
+@click.command("rollback", help="Move alias champion back to the previous champion, in one step.")
+@click.argument("name")
+@click.option("--reason", default="")
+@registry_option
+def rollback_command(name, reason, registry_uri) -> int:
+    from quantpipe.registry import rollback
+
+    def go():
+        r = rollback(name, _uri(registry_uri), reason)
+        click.echo(f"{name}: champion is version {r['champion']} again (rolled back {r['rolled_back']})")
+
+    return _run("rollback", go)
+
+
+@click.group("registry", help="A team's MLflow registry server.")
+def registry_group() -> None:
+    pass
+
+
+@registry_group.command("serve", help="Run `mlflow server` with a sqlite store and local artifacts on 127.0.0.1.")
+@click.option("--port", type=int, default=5000, show_default=True)
+@click.option("--dir", "folder", default=".quantpipe/server", show_default=True, help="store and artifacts")
+def registry_serve(port, folder) -> int:
+    os.makedirs(folder, exist_ok=True)
+    db = os.path.abspath(os.path.join(folder, "registry.db"))
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination",
+           os.path.abspath(os.path.join(folder, "artifacts")), "--workers", "1"]
+    click.echo(f"mlflow server on http://127.0.0.1:{port} (store {db}); Ctrl-C stops it")
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait(30)

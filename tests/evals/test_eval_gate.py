@@ -1,0 +1,232 @@
+"""`quantpipe eval` and `quantpipe gate` on the default model: the default policy passes a
+W8A16 artifact and fails deliberately broken ones, and never passes on missing data.
+
+One eval run scores every candidate side by side (quality scope, a small suite), the way
+a user compares schemes; the gate then judges each candidate of that one report.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantpipe.cli import main
+from quantpipe.eval.stage import evaluate
+from quantpipe.eval.suite import EvalSuite
+from quantpipe.gate import DEFAULT_POLICY, gate, resolve
+from quantpipe.manifest import StageError
+from quantpipe.quantize.pack import pack_int32
+from quantpipe.runtime.model.compressed import unpack_int32
+
+# One eval of four candidates on the default model: several minutes on 2 cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+DAMAGED = "metadata.task=code_complete"  # the stratum the one-stratum artifact damages
+PROJ = "model.layers.{}.mlp.down_proj"
+
+
+def _suite(tmp_path) -> EvalSuite:
+    path = tmp_path / "suite.yaml"
+    path.write_text("quality: {max_texts: 64, max_tokens: 192, bootstrap: 400}\n"
+                    "generation: {prompts: 4, max_tokens: 8}\n"
+                    "mc: {tasks: [general_knowledge], limit: 24}\n")
+    return EvalSuite.load(str(path))
+
+
+def _variant(src: Path, dst: Path, edit) -> str:
+    """A copy of the artifact at `src` whose tensors `edit` changes in place."""
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    edit(state)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def _two_bit(state):
+    """Every quantized weight cut to 4 levels (2 bits) inside its INT8 container."""
+    for k in [k for k in state if k.endswith(".weight_packed")]:
+        rows, cols = state[k.replace("_packed", "_shape")].tolist()
+        q = unpack_int32(state[k], 8, cols)
+        state[k] = pack_int32((torch.round(q.float() / 64).clamp(-2, 1) * 64).to(torch.int8), 8)
+
+
+def _scales_off(state):
+    """Scales 30% too large in three layers: the rounding was right, the scale is not."""
+    for i in (3, 14, 25):
+        state[PROJ.format(i) + ".weight_scale"] = state[PROJ.format(i) + ".weight_scale"] * 1.3
+
+
+def _code_tokens(heldout: str, tokenizer) -> list[int]:
+    """Tokens frequent in the damaged stratum's held-out texts and absent from every other one."""
+    inside, outside = Counter(), set()
+    for line in Path(heldout, "heldout.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        ids = tokenizer.encode(row["text"])
+        if f"metadata.task={row['strata']['metadata.task']}" == DAMAGED:
+            inside.update(ids)
+        else:
+            outside.update(ids)
+    return [t for t, n in inside.most_common() if t not in outside and n >= 2]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, sample_set, w8a16_artifact):
+    from quantpipe.runtime.model.tokenizer import load_tokenizer
+
+    tmp = tmp_path_factory.mktemp("gate")
+    w8 = tmp / "w8a16"
+    shutil.copytree(w8a16_artifact, w8)
+    tokens = torch.tensor(_code_tokens(sample_set, load_tokenizer(None)))
+    assert len(tokens) >= 20, "the damaged stratum needs tokens of its own"
+
+    def one_stratum(state):
+        # Input embeddings of those tokens get noise; lm_head keeps the original rows
+        # (untied), so only texts that contain the tokens are affected. 0.25 of each row's
+        # norm: a KL near 0.03 on that stratum, under 0.01 overall (measured).
+        emb = state["model.embed_tokens.weight"].float()
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        gen = torch.Generator().manual_seed(0)
+        noise = torch.randn(len(tokens), emb.shape[1], generator=gen) / emb.shape[1] ** 0.5
+        emb[tokens] += 0.25 * noise * emb[tokens].norm(dim=1, keepdim=True)
+        state["model.embed_tokens.weight"] = emb.to(torch.bfloat16)
+
+    def untie(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["tie_word_embeddings"] = False
+        (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+        return str(folder)
+
+    candidates = [str(w8), _variant(w8, tmp / "w2", _two_bit), _variant(w8, tmp / "scales-off", _scales_off),
+                  untie(Path(_variant(w8, tmp / "code-damaged", one_stratum)))]
+    out = tmp / "report"
+    evaluate(candidates, sample_set, str(out), suite=_suite(tmp), scope="quality")
+    return out, {Path(c).name: c for c in candidates}
+
+
+def _verdict(report, name, **kw):
+    out, paths = report
+    code, doc = gate(str(out), str(DEFAULT_POLICY), candidate=name, artifact=paths[name],
+                     out=str(out / f"verdict-{name}.json"), **kw)
+    return code, doc, {r["metric"]: r for r in doc["rules"]}
+
+
+def test_w8a16_passes_the_default_policy(report):
+    code, doc, rules = _verdict(report, "w8a16")
+    assert code == 0 and doc["verdict"] == "pass", [r for r in doc["rules"] if r["result"] != "pass"]
+    assert doc["scope"] == "quality"
+    assert rules["latency.tpot_p50_ratio"]["result"] == "skipped"  # quality-only report
+    assert rules["memory.weight_bytes_ratio"]["value"] < 0.55
+    assert any(m.startswith(f"quality.strata.{DAMAGED}.") for m in rules)  # the wildcard reached every stratum
+    saved = json.loads((report[0] / "verdict-w8a16.json").read_text())
+    assert saved["candidate"]["sha256"] == doc["candidate"]["sha256"] and saved["policy"]["sha256"]
+
+
+@pytest.mark.parametrize("name", ["w2", "scales-off"])
+def test_broken_artifacts_fail(report, name):
+    code, doc, rules = _verdict(report, name)
+    assert code == 1 and doc["verdict"] == "fail"
+    assert rules["quality.ppl_delta_pct"]["result"] == "fail" and rules["quality.kl_mean"]["result"] == "fail"
+
+
+def test_damage_to_one_stratum_is_caught_by_the_per_stratum_rule(report):
+    code, doc, rules = _verdict(report, "code-damaged")
+    assert code == 1
+    failed = {m for m, r in rules.items() if r["result"] == "fail"}
+    assert f"quality.strata.{DAMAGED}.kl_mean" in failed, failed
+    # ... while the overall numbers look fine: the overall rules alone would have passed it
+    assert rules["quality.kl_mean"]["result"] == "pass" and rules["quality.ppl_delta_pct"]["result"] == "pass"
+    others = [r for m, r in rules.items() if m.startswith("quality.strata.metadata.task=") and DAMAGED not in m]
+    assert others and all(r["result"] == "pass" for r in others)
+
+
+def test_report_holds_every_candidate_with_cis_and_inputs(report):
+    out, paths = report
+    rep = json.loads((out / "report.json").read_text())
+    assert [c["name"] for c in rep["candidates"]] == list(paths)
+    assert rep["heldout"]["sha256"] and rep["baseline"]["sha256"] and rep["scope"] == "quality"
+    for c in rep["candidates"]:
+        q = c["quality"]
+        for m in ("ppl_delta_pct", "kl_mean", "kl_p99", "top1_agreement", "top5_miss"):
+            assert q[m]["ci_lower"] <= q[m]["point"] <= q[m]["ci_upper"] or m == "kl_p99", (c["name"], m, q[m])
+        assert sum(s["texts"] for n, s in q["strata"].items() if n.startswith("metadata.task=")) == q["texts"] == 64
+        assert c["mc"]["tasks"]["general_knowledge"]["accuracy_drop_points"]["n"] == 24
+        assert c["generation"]["prompts"] == 4
+    w8, w2 = rep["candidates"][0], rep["candidates"][1]
+    assert w2["quality"]["kl_mean"]["ci_lower"] > 10 * w8["quality"]["kl_mean"]["ci_upper"]
+    page = (out / "report.html").read_text()
+    assert all(name in page for name in paths) and "<svg" in page
+
+
+def test_stale_artifact_and_missing_data_cannot_pass(report, tmp_path):
+    out, paths = report
+    stale = tmp_path / "stale"
+    shutil.copytree(paths["w8a16"], stale)
+    (stale / "config.json").write_text((stale / "config.json").read_text() + "\n")
+    code, doc = gate(str(out), str(DEFAULT_POLICY), candidate="w8a16", artifact=str(stale),
+                     out=str(tmp_path / "v.json"))
+    assert code == 2 and doc["verdict"] == "cannot_judge" and "changed after its eval" in doc["problems"][0]
+    # A rule on a metric the report lacks, and on a stratum that holds no texts.
+    rep = json.loads((out / "report.json").read_text())
+    rep["candidates"] = [rep["candidates"][0]]
+    rep["candidates"][0]["quality"]["strata"][DAMAGED]["texts"] = 0
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "report.json").write_text(json.dumps(rep))
+    policy = tmp_path / "p.yaml"
+    policy.write_text("rules:\n- {metric: quality.kl_mean, compare: ci_upper, op: '<=', threshold: 1}\n"
+                      f"- {{metric: 'quality.strata.{DAMAGED}.kl_mean', compare: ci_upper, op: '<=', threshold: 1}}\n")
+    code, doc = gate(str(tmp_path / "r"), str(policy))
+    assert code == 2 and [r["result"] for r in doc["rules"]] == ["pass", "cannot_judge"]
+    policy.write_text("rules:\n- {metric: quality.no_such_metric, op: '<=', threshold: 1}\n")
+    assert gate(str(tmp_path / "r"), str(policy))[0] == 2
+    policy.write_text("rules:\n- {metric: latency.tpot_p50_ratio, op: '<=', threshold: 1.1}\n")
+    code, doc = gate(str(tmp_path / "r"), str(policy))  # a quality-only report: nothing left to judge
+    assert code == 2 and doc["rules"][0]["result"] == "skipped"
+    with pytest.raises(StageError, match="name one with --candidate"):
+        gate(str(out), str(DEFAULT_POLICY))
+
+
+def test_cli_exit_codes_and_bad_input(report, tmp_path, capsys):
+    out, paths = report
+    assert main(["gate", str(out), "--candidate", "w8a16", "--out", str(tmp_path / "v.json")]) == 0
+    assert main(["gate", str(out), "--candidate", "w2", "--out", str(tmp_path / "v.json")]) == 1
+    assert "FAIL  quality.kl_mean" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n- {metric: quality.kl_mean, compare: p90, op: '<=', threshold: 1}\n")
+    assert main(["gate", str(out), "--candidate", "w8a16", "--policy", str(bad)]) == 2
+    assert "compare must be one of point, ci_lower, ci_upper" in capsys.readouterr().err
+    # eval refuses bad input before writing anything
+    assert main(["eval", "--candidate", str(tmp_path), "--calib", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "not a quantpipe artifact" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    assert main(["eval", "--candidate", paths["w8a16"], "--calib", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "no heldout.jsonl" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_resolve_takes_keys_with_dots():
+    doc = {"quality": {"strata": {"metadata.task=a": {"kl": 1}, "length=<128": {"kl": 2}}}}
+    assert resolve(doc, "quality.strata.metadata.task=a.kl") == [("quality.strata.metadata.task=a.kl", 1)]
+    assert sorted(v for _, v in resolve(doc, "quality.strata.*.kl")) == [1, 2]
+    assert resolve(doc, "quality.strata.nope.kl") == []
+
+
+def test_baseline_against_itself_passes_in_every_bootstrap_seed(sample_set):
+    from quantpipe.eval.stage import load_heldout, quality_section, stratum_groups
+    from quantpipe.evals.scorer import score
+    from quantpipe.gate import judge, load_policy
+    from quantpipe.runtime.model.loader import load_model
+
+    model, _, tok = load_model(None, torch.float32)
+    rows, _ = load_heldout(sample_set, 16, 0)
+    scores = score(model, model, tok, [r["text"] for r in rows], max_tokens=96)
+    rules, _ = load_policy(str(DEFAULT_POLICY))
+    rules = [r for r in rules if r.metric.startswith("quality.")]
+    passed = 0
+    for seed in range(20):
+        q = quality_section(scores, stratum_groups(rows), {"bootstrap": 200, "seed": seed})
+        rows_judged = judge({"scope": "quality"}, {"quality": q}, rules)
+        passed += all(r["result"] == "pass" for r in rows_judged)
+    assert passed >= 19  # at least 95% of seeded repeats

@@ -1,0 +1,232 @@
+"""Publish, promote, roll back and serve through a real `mlflow server` (sqlite store) on
+127.0.0.1, read back with the official MLflow client.
+
+Verdicts here are written by hand (the gate has its own tests): what matters is that
+only a passing, current, full verdict under the project's policy gets a version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from quantpipe.artifact import artifact_sha256
+from quantpipe.gate import DEFAULT_POLICY
+from quantpipe.manifest import StageError, sha256_file
+from quantpipe.registry import RegistryError, promote, publish, resolve_model_uri, rollback
+
+mlflow = pytest.importorskip("mlflow")
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    def __init__(self, folder: Path, port: int | None = None):
+        self.folder, self.port = folder, port or _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> MlflowServer:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.folder / "server.log", "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.folder / 'mlflow.db'}",
+             "--artifacts-destination", str(self.folder / "artifacts"), "--workers", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, (self.folder / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(self.uri + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("mlflow server did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # gunicorn and its workers
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def artifact(w8a16_artifact):
+    return w8a16_artifact
+
+
+def verdict_for(artifact: str, folder: Path, verdict: str = "pass", scope: str = "full",
+                policy: Path = DEFAULT_POLICY) -> str:
+    """A report and its verdict, as `quantpipe eval` and `quantpipe gate` would leave them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sha = artifact_sha256(artifact)
+    report = {"scope": scope, "heldout": {"path": str(folder), "sha256": "0" * 64},
+              "candidates": [{"name": Path(artifact).name, "sha256": sha, "path": artifact,
+                              "quality": {"kl_mean": {"point": 0.004, "ci_lower": 0.003, "ci_upper": 0.005},
+                                          "strata": {"metadata.task=code_complete": {"kl_mean": {"point": 0.005}}}},
+                              "memory": {"weight_bytes_ratio": 0.5}}]}
+    (folder / "report.json").write_text(json.dumps(report))
+    (folder / "report.html").write_text("<html></html>")
+    doc = {"verdict": verdict, "passed": verdict == "pass", "scope": scope, "rules": [],
+           "candidate": {"name": Path(artifact).name, "sha256": sha, "path": artifact},
+           "report": {"path": str(folder / "report.json")},
+           "policy": {"name": "default", "path": str(policy), "sha256": sha256_file(policy)}}
+    (folder / "verdict.json").write_text(json.dumps(doc))
+    return str(folder / "verdict.json")
+
+
+def _client(server):
+    return mlflow.tracking.MlflowClient(tracking_uri=server.uri, registry_uri=server.uri)
+
+
+def test_publish_promote_serve_and_roll_back(server, artifact, tmp_path):
+    client = _client(server)
+    first = publish(artifact, verdict_for(artifact, tmp_path / "r1"), "smol", server.uri)
+    assert first["version"] == 1 and first["uri"] == "models:/smol/1"
+    mv = client.get_model_version_by_alias("smol", "candidate")
+    assert mv.version == "1" and mv.tags["quantpipe.verdict"] == "pass"
+    assert mv.tags["quantpipe.artifact_sha256"] == artifact_sha256(artifact)
+    run = client.get_run(first["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["scheme"] == "W8A16" and run.data.params["policy_sha256"] == sha256_file(DEFAULT_POLICY)
+    assert run.data.metrics["quality.kl_mean"] == 0.004 and run.data.metrics["quality.kl_mean.ci_upper"] == 0.005
+    assert "quality.strata.metadata.task_code_complete.kl_mean" in run.data.metrics
+    assert {a.path for a in client.list_artifacts(first["run_id"], "eval")} >= {"eval/report.json", "eval/verdict.json"}
+
+    # pyfunc: the registered model generates text with the quantpipe runtime
+    os.environ["MLFLOW_TRACKING_URI"] = server.uri
+    try:
+        model = mlflow.pyfunc.load_model("models:/smol@candidate")
+        out = model.predict(["The capital of France is"], params={"max_tokens": 6})
+        assert len(out) == 1 and isinstance(out[0], str) and out[0].strip()
+    finally:
+        del os.environ["MLFLOW_TRACKING_URI"]
+
+    assert promote("smol", 1, server.uri)["champion"] == 1
+    second = publish(artifact, verdict_for(artifact, tmp_path / "r2"), "smol", server.uri)
+    assert second["version"] == 2 and client.get_model_version_by_alias("smol", "candidate").version == "2"
+    assert promote("smol", 2, server.uri, reason="canary passed") == {"name": "smol", "champion": 2, "previous": 1}
+
+    # serve the champion straight from the registry
+    port = _free_port()
+    env = dict(os.environ, MLFLOW_TRACKING_URI=server.uri)
+    proc = subprocess.Popen([sys.executable, "-m", "quantpipe.runtime.server", "models:/smol@champion", "--host",
+                             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    assert (tmp_path / ".quantpipe" / "models" / "smol" / "2" / "MLmodel").exists()  # downloaded once, cached
+
+    back = rollback("smol", server.uri, reason="live TPOT regressed")
+    assert back == {"name": "smol", "champion": 1, "rolled_back": 2}
+    assert client.get_model_version_by_alias("smol", "champion").version == "1"
+    assert client.get_model_version("smol", "2").tags["quantpipe.rolled_back_reason"] == "live TPOT regressed"
+    with pytest.raises(RegistryError, match="no previous one"):
+        rollback("smol", server.uri)
+
+
+def test_refusals_leave_no_version(server, artifact, tmp_path):
+    client = _client(server)
+    cases = {
+        "failed": (verdict_for(artifact, tmp_path / "f", verdict="fail"), "not pass"),
+        "partial": (verdict_for(artifact, tmp_path / "q", scope="quality"), "needs a full eval"),
+    }
+    other_policy = tmp_path / "lenient.yaml"
+    other_policy.write_text("rules:\n- {metric: memory.weight_bytes_ratio, op: '<=', threshold: 1}\n")
+    cases["foreign policy"] = (verdict_for(artifact, tmp_path / "p", policy=other_policy), "not the configured")
+    stale = tmp_path / "stale"
+    shutil.copytree(artifact, stale)
+    cases["stale"] = (verdict_for(str(stale), tmp_path / "s"), "changed after its eval")
+    for why, (verdict, message) in cases.items():
+        target = str(stale) if why == "stale" else artifact
+        if why == "stale":
+            (stale / "config.json").write_text((stale / "config.json").read_text() + " ")
+        with pytest.raises(StageError, match=message):
+            publish(target, verdict, "refused", server.uri)
+    assert not client.search_model_versions("name='refused'")
+    # a quality-only verdict goes in only when asked, and says so
+    r = publish(artifact, cases["partial"][0], "partial", server.uri, allow_partial=True)
+    assert client.get_model_version("partial", str(r["version"])).tags["quantpipe.partial"] == "true"
+    with pytest.raises(RegistryError, match="no version 7"):
+        promote("partial", 7, server.uri)
+    first = client.get_model_version("partial", "1")
+    bare = client.create_model_version("partial", source=first.source,  # by hand: no verdict tags
+                                       model_id=first.source.removeprefix("models:/"))
+    with pytest.raises(RegistryError, match="no passing verdict"):
+        promote("partial", bare.version, server.uri)
+    with pytest.raises(RegistryError, match="has no alias 'champion'"):
+        resolve_model_uri("models:/partial@champion", server.uri)
+
+
+def test_concurrent_publishes_get_distinct_consistent_versions(server, artifact, tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-m", "quantpipe", "publish", artifact, "--verdict",
+                               verdict_for(artifact, tmp_path / f"c{i}"), "--name", "racing",
+                               "--registry-uri", server.uri], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    client = _client(server)
+    versions = sorted(int(v.version) for v in client.search_model_versions("name='racing'"))
+    assert versions == [1, 2]
+    for v in versions:
+        mv = client.get_model_version("racing", str(v))
+        assert mv.tags["quantpipe.verdict"] == "pass" and client.get_run(mv.run_id).info.status == "FINISHED"
+    assert client.get_model_version_by_alias("racing", "candidate").version in ("1", "2")
+
+
+def test_registry_stopped_mid_publish_leaves_no_version(artifact, tmp_path, monkeypatch):
+    server = MlflowServer(tmp_path / "mlflow").start()
+    from mlflow.tracking import MlflowClient
+
+    real = MlflowClient.log_artifact
+
+    def dies_midway(self, *a, **kw):  # the registry goes away while the eval files upload
+        server.stop()
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(MlflowClient, "log_artifact", dies_midway)
+    with pytest.raises(RegistryError, match="nothing registered"):
+        publish(artifact, verdict_for(artifact, tmp_path / "r"), "interrupted", server.uri)
+    monkeypatch.undo()
+    again = MlflowServer(tmp_path / "mlflow", server.port).start()
+    try:
+        assert not _client(again).search_model_versions("name='interrupted'")
+    finally:
+        again.stop()
