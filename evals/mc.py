@@ -59,8 +59,7 @@ def choice_loglikelihoods(model, tokenizer, item: Item) -> list[float]:
     return out
 
 
-def evaluate(models: dict[str, object], tokenizer, tasks: list[str], limit: int | None = None,
-             progress=None) -> dict:
+def evaluate(models: dict[str, object], tokenizer, tasks: list[str], limit: int | None = None) -> dict:
     """{task: {model_name: {acc, acc_norm}}} and, per task, per-item correctness kept for pairing."""
     out = {}
     for name in tasks:
@@ -75,8 +74,6 @@ def evaluate(models: dict[str, object], tokenizer, tasks: list[str], limit: int 
                 best_norm = max(range(len(norm)), key=norm.__getitem__)
                 acc.append(float(best in it.correct))
                 acc_norm.append(float(best_norm in it.correct))
-                if progress:
-                    progress()
             per_model[label] = {"acc": acc, "acc_norm": acc_norm}
         out[name] = per_model
     return out

@@ -137,7 +137,7 @@ RATIOS = {**{k: k.removesuffix("_s") + "_ratio" for k, *_ in LATENCY_KEYS},
 
 
 def latency_ab(baseline: str | None, candidates: list[str], rows: list[dict], cfg: dict,
-               progress: bool = False, max_model_len: int = 2048) -> dict:
+               max_model_len: int = 2048) -> dict:
     from quantpipe.runtime.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(baseline)

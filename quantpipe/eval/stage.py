@@ -96,8 +96,7 @@ def _weight_bytes(m: dict) -> dict:
 
 
 def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None = None,
-             suite: EvalSuite | None = None, scope: str = "full", overwrite: bool = False,
-             progress: bool = False) -> dict:
+             suite: EvalSuite | None = None, scope: str = "full", overwrite: bool = False) -> dict:
     """Write report.json and report.html into `out`; returns the report."""
     from quantpipe.runtime.model.loader import load_model
 
@@ -159,7 +158,7 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
         from quantpipe.eval.latency import latency_ab
 
         t = time.perf_counter()
-        lat = latency_ab(baseline, candidates, rows, suite.latency, progress=progress)
+        lat = latency_ab(baseline, candidates, rows, suite.latency)
         for entry, section in zip(entries, lat["candidates"]):
             entry["latency"] = section
         phases["latency_s"] = time.perf_counter() - t

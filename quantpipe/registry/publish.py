@@ -135,7 +135,8 @@ def publish(artifact: str, verdict_path: str, name: str, registry_uri: str = DEF
         from mlflow.entities import Metric, Param
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, 0) for k, v in flatten_metrics(entry).items()]
+        flat = flatten_metrics(entry)
+        metrics = [Metric(k, v, now, 0) for k, v in flat.items()]
         client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()], tags=[], metrics=[])
         for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
             client.log_batch(run_id, metrics=metrics[i:i + 900])
@@ -153,7 +154,7 @@ def publish(artifact: str, verdict_path: str, name: str, registry_uri: str = DEF
         with mlflow.start_run(run_id=run_id):
             info = mlflow.pyfunc.log_model(name="model", python_model=QuantpipeModel(), signature=signature,
                                            artifacts={"artifact": str(artifact)}, pip_requirements=["quantpipe"])
-        headline = {k: v for k, v in flatten_metrics(entry).items()
+        headline = {k: v for k, v in flat.items()
                     if k in ("quality.ppl_delta_pct", "quality.kl_mean", "quality.top1_agreement",
                              "memory.weight_bytes_ratio", "latency.tpot_p50_ratio", "mc.accuracy_drop_points")}
         vtags = {**tags, "quantpipe.artifact_sha256": verdict["candidate"]["sha256"],
