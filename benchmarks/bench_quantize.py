@@ -88,7 +88,6 @@ def main() -> int:
     texts, strata = [r["text"] for r in rows], [r["stratum"] for r in rows]
     base, _, tok = load_model(None, torch.float32)
     print(json.dumps({"texts": len(texts), "max_tokens": args.max_tokens, "heldout": args.heldout}), flush=True)
-    cache: dict = {}  # the baseline's log-probabilities, computed once per text
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             opts = dict(CONFIGS[name], calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len)
@@ -100,7 +99,7 @@ def main() -> int:
             quant_s = time.perf_counter() - t
             cand, _, _ = load_model(out, torch.float32)
             t = time.perf_counter()
-            q = score(base, cand, tok, texts, strata, args.max_tokens, cache)
+            q = score(base, cand, tok, texts, strata, args.max_tokens)
             s = q.summary()
             per = {k: round(v["ppl_delta_pct"], 2) for k, v in q.by_stratum().items()}
             print(json.dumps({"config": name, "weights": art.manifest["weights"], "method": cfg.method,

@@ -22,7 +22,7 @@ import torch
 from quantpipe.artifact import artifact_sha256, model_sha256, read_manifest
 from quantpipe.eval.suite import EvalSuite
 from quantpipe.evals import generation, mc
-from quantpipe.evals.scorer import score
+from quantpipe.evals.scorer import score_many
 from quantpipe.evals.stats import mean_with_se, quality_with_ci
 from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output, write_json
 
@@ -130,15 +130,15 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
         base_model, _, tokenizer = load_model(baseline, torch.float32)
         if tokenizer is None:
             raise StageError("--baseline: the quality suite needs the model's tokenizer")
-        cache: dict = {}
         prompts = generation.prompts_from(texts[: g["prompts"]], tokenizer) if g["prompts"] else []
         base_gen = generation.greedy(baseline, prompts, g["max_tokens"]) if prompts else []
         tasks = suite.mc["tasks"]
         mc_base = mc.evaluate({"baseline": base_model}, tokenizer, tasks, suite.mc["limit"]) if tasks else {}
-        for c, entry in zip(candidates, entries):
-            log.info("quality: %s against the baseline on %d held-out texts", entry["name"], len(texts))
-            cand_model, _, _ = load_model(c, torch.float32)
-            scores = score(base_model, cand_model, tokenizer, texts, max_tokens=q["max_tokens"], cache=cache)
+        # Every candidate is scored in one pass over the texts, so the baseline runs once per text.
+        cand_models = [load_model(c, torch.float32)[0] for c in candidates]
+        log.info("quality: %d candidate(s) against the baseline on %d held-out texts", len(candidates), len(texts))
+        all_scores = score_many(base_model, cand_models, tokenizer, texts, max_tokens=q["max_tokens"])
+        for c, entry, cand_model, scores in zip(candidates, entries, cand_models, all_scores):
             if len(scores.texts) != len(texts):
                 raise StageError(f"--calib {calib}: {len(texts) - len(scores.texts)} held-out texts are "
                                  f"shorter than 2 tokens")
@@ -152,7 +152,7 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
                 res = mc.evaluate({"candidate": cand_model}, tokenizer, tasks, suite.mc["limit"])
                 merged = {name: {**mc_base[name], **res[name]} for name in tasks}
                 entry["mc"] = mc.summarize(merged, "baseline", "candidate")
-            del cand_model
+        del cand_models, all_scores
         phases["quality_s"] = time.perf_counter() - t
     if scope in ("full", "latency"):
         from quantpipe.eval.latency import latency_ab

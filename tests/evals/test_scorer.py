@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
-from evals.scorer import score
+from evals.scorer import ROWS, score, score_many, token_stats
+from quantpipe.runtime.model.forward import sequence_logits
 from quantpipe.runtime.model.loader import load_model
 from tests.model.test_parity_architectures import build
 
@@ -31,14 +34,18 @@ def test_baseline_against_itself_in_any_order(tmp_path):
     first = score(model, model, IdTokenizer(), texts, strata)
     s = first.summary()
     assert s["kl_mean"] == 0 and s["kl_p99"] == 0 and s["top1_agreement"] == 1.0 and s["ppl_delta_pct"] == 0
-    # Shuffled order and a cache warmed on other texts: the same numbers, text for text.
+    # Shuffled order, other texts before them, and other candidates beside them: the
+    # same numbers, text for text.
     order = list(range(len(texts)))
     random.Random(1).shuffle(order)
-    cache: dict = {}
-    score(model, model, IdTokenizer(), _texts(5), cache=cache)
-    again = score(model, model, IdTokenizer(), [texts[i] for i in order], [strata[i] for i in order], cache=cache)
+    score(model, model, IdTokenizer(), _texts(5))
+    other, _, _ = load_model(src, torch.float32)
+    with torch.no_grad():
+        other.layers[0].mlp.down_proj.weight.mul_(1.5)
+    _, again = score_many(model, [other, model], IdTokenizer(), [texts[i] for i in order], [strata[i] for i in order])
     for j, i in enumerate(order):
         assert (again.texts[j].nll_base == first.texts[i].nll_base).all()
+        assert (again.texts[j].kl == first.texts[i].kl).all()
     assert set(first.by_stratum()) == {"a", "b"}
 
 
@@ -51,3 +58,12 @@ def test_damage_shows_up(tmp_path):
         w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * w.std())
     s = score(base, cand, IdTokenizer(), _texts()).summary()
     assert s["kl_mean"] > 0.01 and s["top1_agreement"] < 1.0 and s["ppl_delta_pct"] != 0
+    # Texts longer than one chunk of the statistics: the chunked rows equal one pass.
+    long = " ".join(str(i % 320) for i in range(3 * ROWS + 5))
+    ids = IdTokenizer().encode(long)
+    with torch.no_grad():
+        lb, lc = sequence_logits(base, ids)[:-1], sequence_logits(cand, ids)[:-1]
+    chunked = token_stats(lb, lc, ids)
+    pb, pc = F.log_softmax(lb.double(), -1), F.log_softmax(lc.double(), -1)
+    assert np.allclose(chunked.kl, (pb.exp() * (pb - pc)).sum(-1).clamp(min=0).numpy(), rtol=1e-9, atol=1e-12)
+    assert (chunked.agree == (pb.argmax(-1) == pc.argmax(-1)).double().numpy()).all()
