@@ -21,13 +21,14 @@ CALIB      ?=
 POLICY     ?=
 SUITE      ?=
 REGISTRY   ?=
+PUBLISH    ?= 1
 NAME       ?= $(shell echo smollm2-$(SCHEME)-$(METHOD) | tr A-Z a-z)
 
 # Set up once; redone when the package's requirements change.
 INSTALLED  := .venv/.quantpipe-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test serve bench demo calibrate quantize eval gate
+.PHONY: help setup test serve bench demo calibrate quantize eval gate ci-gate
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -54,10 +55,11 @@ demo: ## set up, serve the default model, load-test it, print the report, stop
 calibrate: $(INSTALLED) ## sample calibration + held-out sets: RECIPE=..., LOGS=... override its logs, OUT=dir
 	$(QUANTPIPE) calibrate --recipe $(RECIPE) $(if $(LOGS),--logs "$(LOGS)") --out $(or $(OUT),calib_sets/sample-set) --overwrite
 
-quantize: $(INSTALLED) ## the whole pipeline: calibrate, quantize, eval, gate, publish MODEL as NAME (SCHEME, METHOD, LOGS|CALIB, POLICY)
+quantize: $(INSTALLED) ## the whole pipeline: calibrate, quantize, eval, gate, publish MODEL as NAME (SCHEME, METHOD, LOGS|CALIB, POLICY, PUBLISH=0)
 	$(QUANTPIPE) pipeline $(MODEL) --scheme $(SCHEME) --method $(METHOD) $(if $(GROUP_SIZE),--group-size $(GROUP_SIZE)) \
 		$(if $(LOGS),--logs "$(LOGS)") $(if $(CALIB),--calib $(CALIB)) $(if $(POLICY),--policy $(POLICY)) \
-		$(if $(SUITE),--suite $(SUITE)) $(if $(REGISTRY),--registry-uri $(REGISTRY)) --recipe $(RECIPE) --name $(NAME)
+		$(if $(SUITE),--suite $(SUITE)) $(if $(REGISTRY),--registry-uri $(REGISTRY)) --recipe $(RECIPE) --name $(NAME) \
+		$(if $(filter 0,$(PUBLISH)),--no-publish)
 
 eval: $(INSTALLED) ## A/B artifacts/NAME against its source model on CALIB (default calib_sets/NAME-set) into reports/NAME
 	$(QUANTPIPE) eval --candidate artifacts/$(NAME) --calib $(or $(CALIB),calib_sets/$(NAME)-set) \
@@ -65,3 +67,6 @@ eval: $(INSTALLED) ## A/B artifacts/NAME against its source model on CALIB (defa
 
 gate: $(INSTALLED) ## judge reports/NAME against POLICY (default evals/gates/default.yaml)
 	$(QUANTPIPE) gate reports/$(NAME) --artifact artifacts/$(NAME) $(if $(POLICY),--policy $(POLICY))
+
+ci-gate: $(INSTALLED) ## regression gate: a small fixed pipeline run against evals/baselines/ci.yaml (RECORD=1 rewrites its references)
+	bash scripts/ci-gate $(if $(RECORD),--record)

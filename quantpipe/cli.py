@@ -13,7 +13,7 @@ from quantpipe.eval.cli import eval_command
 from quantpipe.gate import gate_command
 from quantpipe.pipeline import pipeline_command
 from quantpipe.quantize.cli import quantize_command
-from quantpipe.registry.cli import promote_command, publish_command, registry_group, rollback_command
+from quantpipe.registry.cli import canary_command, promote_command, publish_command, registry_group, rollback_command
 from quantpipe.runtime.bench.cli import bench
 from quantpipe.runtime.cli import export_hf, generate
 from quantpipe.runtime.server.cli import serve_command
@@ -36,7 +36,7 @@ cli.add_command(quantize_command)
 cli.add_command(eval_command)
 cli.add_command(gate_command)
 cli.add_command(pipeline_command)
-for command in (publish_command, promote_command, rollback_command, registry_group):
+for command in (publish_command, promote_command, rollback_command, canary_command, registry_group):
     cli.add_command(command)
 cli.add_command(serve_command)
 cli.add_command(generate)

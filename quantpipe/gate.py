@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-import yaml
 
 import quantpipe.evals
-from quantpipe.manifest import StageError, code_version, sha256_file
+from quantpipe.manifest import StageError, code_version, read_yaml, sha256_file
 
 OPS = {"<=": lambda v, t: v <= t, "<": lambda v, t: v < t, ">=": lambda v, t: v >= t, ">": lambda v, t: v > t}
 COMPARES = ("point", "ci_lower", "ci_upper")
@@ -43,12 +42,7 @@ class Rule:
 
 
 def load_policy(path: str) -> tuple[list[Rule], dict]:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise StageError(f"--policy {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise StageError(f"--policy {path}: not valid YAML: {e}") from None
+    data = read_yaml(path, "--policy")
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list) or not data["rules"]:
         raise StageError(f"--policy {path}: needs a non-empty `rules` list")
     rules = []
@@ -179,11 +173,11 @@ def gate(report_dir: str, policy: str, candidate: str | None = None, artifact: s
            "report": {"path": str(rpath), "sha256": sha256_file(rpath)}, "policy": policy_info,
            "baseline": report.get("baseline"), "heldout": report.get("heldout"), "code_version": code_version()}
     target = Path(out) if out else Path(report_dir) / "verdict.json"
-    _write_atomic(target, doc)
+    write_atomic(target, doc)
     return code, doc
 
 
-def _write_atomic(path: Path, doc: dict) -> None:
+def write_atomic(path: Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -200,23 +194,41 @@ def _write_atomic(path: Path, doc: dict) -> None:
 MARK = {"pass": "PASS", "fail": "FAIL", "cannot_judge": "N/A ", "skipped": "skip"}
 
 
-@click.command("gate", help="Judge an eval report against a gate policy; exit 0 pass, 1 fail, 2 cannot judge.")
+@click.command("gate", help="Judge an eval report against a gate policy (or, with --against, against committed "
+                            "reference results); exit 0 pass, 1 fail, 2 cannot judge.")
 @click.argument("report_dir")
-@click.option("--policy", default=str(DEFAULT_POLICY), show_default="evals/gates/default.yaml")
+@click.option("--policy", default=None, help="gate policy  [default: evals/gates/default.yaml]")
 @click.option("--candidate", default=None, help="candidate name in a report with several")
 @click.option("--artifact", default=None, help="artifact folder: refuse to judge unless it is the evaluated one")
-@click.option("--out", default=None, help="verdict file [default: REPORT_DIR/verdict.json]")
-def gate_command(report_dir, policy, candidate, artifact, out) -> int:
+@click.option("--against", "against_path", default=None,
+              help="regression gate: a baseline file (evals/baselines/NAME.yaml); judges every candidate it names")
+@click.option("--record", is_flag=True, help="with --against: write this report's values as the new references")
+@click.option("--out", default=None, help="verdict file [default: REPORT_DIR/verdict.json, or regression.json]")
+def gate_command(report_dir, policy, candidate, artifact, against_path, record, out) -> int:
     try:
-        code, doc = gate(report_dir, policy, candidate, artifact, out)
+        if against_path:
+            if policy or candidate or artifact:
+                raise StageError("--against judges every candidate against its references; it takes no "
+                                 "--policy, --candidate or --artifact")
+            from quantpipe.regression import against
+
+            code, doc = against(report_dir, against_path, out, write=record)
+        elif record:
+            raise StageError("--record needs --against (the baseline file to record into)")
+        else:
+            code, doc = gate(report_dir, policy or str(DEFAULT_POLICY), candidate, artifact, out)
     except StageError as e:
         click.echo(f"quantpipe gate: {e}", err=True)
         return 2
     for r in doc["rules"]:
         value = f"{r['value']:.4g}" if "value" in r else r.get("reason", "")
-        click.echo(f"{MARK[r['result']]}  {r['metric']} ({r['compare']}) = {value}  [{r['op']} {r['threshold']:g}]")
+        who = f"{r['candidate']}: " if "candidate" in r else ""
+        click.echo(f"{MARK[r['result']]}  {who}{r['metric']} ({r['compare']}) = {value}  [{r['op']} {r['threshold']:.4g}]")
     for p in doc["problems"]:
         click.echo(f"N/A   {p}")
-    click.echo(f"verdict: {doc['verdict']} ({doc['candidate']['name']}, policy {doc['policy']['name']}, "
-               f"scope {doc['scope']})")
+    if against_path:
+        click.echo(f"verdict: {doc['verdict']} (against {against_path})")
+    else:
+        click.echo(f"verdict: {doc['verdict']} ({doc['candidate']['name']}, policy {doc['policy']['name']}, "
+                   f"scope {doc['scope']})")
     return code

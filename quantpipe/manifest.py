@@ -26,6 +26,18 @@ class StageError(Exception):
     """A stage refused its input; the message names the parameter or file and the limit."""
 
 
+def read_yaml(path: str | os.PathLike, option: str):
+    """A YAML file's content; a missing or malformed file is a StageError naming `option`."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise StageError(f"{option} {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise StageError(f"{option} {path}: not valid YAML: {e}") from None
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

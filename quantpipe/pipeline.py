@@ -51,7 +51,7 @@ def _done(t0: float, what: str, times: dict, stage: str) -> None:
 
 def run_pipeline(model: str | None, scheme: str, method: str, group_size: int | None, logs: list[str],
                  recipe: str, calib: str | None, policy: str, suite: str | None, name: str,
-                 registry_uri: str | None, publish_to: str | None = None) -> int:
+                 registry_uri: str | None, publish_to: str | None = None, publish_model: bool = True) -> int:
     from quantpipe.artifact import artifact_sha256, model_sha256
     from quantpipe.calibrate import CalibConfig, calibrate
     from quantpipe.eval.stage import evaluate
@@ -140,6 +140,8 @@ def run_pipeline(model: str | None, scheme: str, method: str, group_size: int | 
     uri = None
     if code != 0:
         _done(t, "not published: the gate did not pass", times, "publish")
+    elif not publish_model:
+        _done(t, "skipped (--no-publish): the verdict passed, nothing was registered", times, "publish")
     else:
         reg = registry_uri or DEFAULT_REGISTRY
         existing = _published(reg, publish_to or name, artifact_sha256(artifact))
@@ -185,12 +187,15 @@ def _published(registry_uri: str, name: str, sha: str) -> str | None:
 @click.option("--suite", default=None, help="eval suite [default: evals/suites/default.yaml]")
 @click.option("--name", required=True, help="artifacts/NAME, reports/NAME, and the registered model name")
 @click.option("--registry-uri", default=None, help="[default: sqlite:///.quantpipe/registry.db]")
-def pipeline_command(model, scheme, method, group_size, logs, recipe, calib, policy, suite, name, registry_uri) -> int:
+@click.option("--publish/--no-publish", "publish_model", default=True, show_default=True,
+              help="--no-publish stops after the gate (a CI run on a pull request)")
+def pipeline_command(model, scheme, method, group_size, logs, recipe, calib, policy, suite, name, registry_uri,
+                     publish_model) -> int:
     from quantpipe.gate import DEFAULT_POLICY
 
     try:
         return run_pipeline(model, scheme, method, group_size, list(logs), recipe, calib,
-                            policy or str(DEFAULT_POLICY), suite, name, registry_uri, None)
+                            policy or str(DEFAULT_POLICY), suite, name, registry_uri, None, publish_model)
     except StageError as e:
         click.echo(f"quantpipe pipeline: {e}", err=True)
         return 2

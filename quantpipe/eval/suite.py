@@ -6,10 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 import quantpipe.evals
-from quantpipe.manifest import StageError
+from quantpipe.manifest import StageError, read_yaml
 
 DEFAULT_SUITE = Path(quantpipe.evals.__file__).resolve().parent / "suites" / "default.yaml"
 
@@ -40,12 +38,7 @@ class EvalSuite:
     @classmethod
     def load(cls, path: str | None = None) -> EvalSuite:
         path = str(path or DEFAULT_SUITE)
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as e:
-            raise StageError(f"--suite {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise StageError(f"--suite {path}: not valid YAML: {e}") from None
+        data = read_yaml(path, "--suite") or {}
         if not isinstance(data, dict):
             raise StageError(f"--suite {path}: must be a mapping of sections")
         unknown = set(data) - set(_DEFAULTS)

@@ -75,6 +75,39 @@ def rollback_command(name, reason, registry_uri) -> int:
     return _run("rollback", go)
 
 
+@click.command("canary", help="Serve @champion and @candidate behind one endpoint; roll back on a breach, "
+                              "promote when the window passes. Exit 0 promoted, 1 rolled back, 2 inconclusive.")
+@click.argument("name")
+@click.option("--fraction", type=float, default=0.1, show_default=True, help="share of conversations to the candidate")
+@click.option("--duration", default="10m", show_default=True, help="the window: 90s, 10m, 1h")
+@click.option("--policy", default=None, help="canary policy  [default: evals/gates/canary.yaml]")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--mirror-fraction", type=float, default=0.25, show_default=True,
+              help="share of requests mirrored, greedy, to both sides for the agreement check")
+@click.option("--mirror-tokens", type=int, default=8, show_default=True)
+@click.option("--request-timeout", type=float, default=60.0, show_default=True, help="seconds per upstream request")
+@click.option("--server-arg", "server_args", multiple=True,
+              help="passed to both `quantpipe serve` processes, e.g. --server-arg=--max-num-seqs=8")
+@registry_option
+def canary_command(name, fraction, duration, policy, host, port, mirror_fraction, mirror_tokens, request_timeout,
+                   server_args, registry_uri) -> int:
+    import json
+
+    from quantpipe.registry.canary import parse_duration, run_canary
+
+    try:
+        r = run_canary(name, _uri(registry_uri), fraction, parse_duration(duration), policy, host, port,
+                       mirror_fraction, mirror_tokens, request_timeout, list(server_args))
+    except StageError as e:
+        click.echo(f"quantpipe canary: {e}", err=True)
+        return 2
+    click.echo(json.dumps({k: r.get(k) for k in ("decision", "reason", "metrics", "after_s")}, default=str))
+    click.echo(f"{name}: {r['decision']} version {r['candidate_version']} ({r['reason']}); champion is version "
+               f"{r['candidate_version'] if r['decision'] == 'promoted' else r['champion_version']}")
+    return {"promoted": 0, "rolled_back": 1}.get(r["decision"], 2)
+
+
 @click.group("registry", help="A team's MLflow registry server.")
 def registry_group() -> None:
     pass

@@ -1,0 +1,216 @@
+"""`quantpipe canary`: @champion and @candidate behind one endpoint, driven by the official
+`openai` client. A healthy candidate is promoted; a candidate whose weights were broken
+on purpose is rolled back automatically while traffic runs, and both decisions are in
+the registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from quantpipe.manifest import StageError
+from quantpipe.registry import promote, publish
+from quantpipe.registry.canary import Canary, CanaryPolicy, CanaryRule, load_canary_policy, parse_duration
+from tests.registry.test_registry import verdict_for
+
+mlflow = pytest.importorskip("mlflow")
+openai = pytest.importorskip("openai")
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Say hello in Spanish.",
+           "What is 2 plus 2?", "Write a haiku about rain.", "What does a CPU do?", "Define the word 'river'.",
+           "Give me a synonym for happy.", "What is the boiling point of water?", "Who wrote Hamlet?"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _broken_copy(artifact: str, dst: Path) -> str:
+    """The artifact with every weight scale scrambled: it loads and serves, and says nonsense."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(artifact, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        g = torch.Generator().manual_seed(0)
+        for k, v in tensors.items():
+            if k.endswith("weight_scale"):
+                tensors[k] = (v.float() * torch.rand(v.shape, generator=g) * 4).to(v.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return str(dst)
+
+
+class Traffic:
+    """Chat conversations through the official client until stopped; remembers which side served each."""
+
+    def __init__(self, url: str):
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.sides: list[tuple[float, str, str]] = []  # (time, conversation, side)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(2)]
+
+    def _run(self, k: int) -> None:
+        i = k
+        while not self.stop.is_set():
+            conv = f"conversation-{i % 40}"
+            try:
+                raw = self.client.chat.completions.with_raw_response.create(
+                    model="smol", messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                    max_tokens=8, temperature=0.7, stream=True, user=conv)
+                for _ in raw.parse():
+                    pass
+                self.sides.append((time.monotonic(), conv, raw.headers.get("x-canary-side")))
+            except (openai.APIError, httpx.HTTPError):
+                if self.stop.is_set():
+                    return
+                time.sleep(0.2)
+            i += 2
+
+    def __enter__(self) -> Traffic:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(90)
+
+
+def _canary(registry: str, name: str, port: int, policy: Path, duration: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "quantpipe", "canary", name, "--registry-uri", registry, "--fraction", "0.5",
+         "--duration", duration, "--policy", str(policy), "--port", str(port), "--mirror-fraction", "1.0",
+         "--server-arg=--max-num-seqs=4"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+
+
+def _wait_ready(url: str, proc: subprocess.Popen) -> None:
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read()[-3000:])
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the canary did not come up")
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory, w8a16_artifact):
+    """A registry where v1 (W8A16) is champion; each test publishes its candidate."""
+    folder = tmp_path_factory.mktemp("canary")
+    uri = f"sqlite:///{folder / 'registry.db'}"
+    publish(w8a16_artifact, verdict_for(w8a16_artifact, folder / "r1"), "smol", uri)
+    promote("smol", 1, uri)
+    return uri, folder
+
+
+def _policy(tmp_path: Path) -> Path:
+    # The default canary policy's rules, judged after fewer samples (a short test window).
+    doc = load_canary_policy()
+    p = tmp_path / "canary.yaml"
+    p.write_text(json.dumps({"name": "test", "min_samples": 4,
+                             "rules": [{"metric": r.metric, "op": r.op, "threshold": r.threshold} for r in doc.rules
+                                       if not r.metric.endswith("_ratio")]}))
+    return p
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_healthy_candidate_is_promoted(registry, w8a16_artifact, tmp_path):
+    uri, folder = registry
+    healthy = shutil.copytree(w8a16_artifact, tmp_path / "w8-again")
+    v = publish(str(healthy), verdict_for(str(healthy), tmp_path / "r"), "smol", uri)["version"]
+    port = _free_port()
+    proc = _canary(uri, "smol", port, _policy(tmp_path), "40s")
+    _wait_ready(f"http://127.0.0.1:{port}", proc)
+    with Traffic(f"http://127.0.0.1:{port}") as traffic:
+        out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"smol: promoted version {v}" in out, out
+    print(out)
+    sides = {s for _, _, s in traffic.sides}
+    assert sides == {"champion", "candidate"}
+    # Sticky: a conversation is always served by the same side.
+    by_conv: dict[str, set] = {}
+    for _, conv, side in traffic.sides:
+        by_conv.setdefault(conv, set()).add(side)
+    assert all(len(s) == 1 for s in by_conv.values()), by_conv
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert str(client.get_model_version_by_alias("smol", "champion").version) == str(v)
+    assert str(client.get_model_version_by_alias("smol", "previous").version) == "1"
+    tags = client.get_model_version("smol", str(v)).tags
+    assert tags["quantpipe.canary.decision"] == "promoted"
+    metrics = json.loads(tags["quantpipe.canary.metrics"])["metrics"]
+    # Identical weights on both sides, float32: mirrored greedy completions agree (a rare
+    # near-tie may flip one token when the two sides batch it with different requests).
+    assert metrics["greedy_agreement"] >= 0.9 and metrics["error_rate"] == 0.0
+    # Put v1 back as champion for the next test.
+    promote("smol", 1, uri, "test reset")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_broken_candidate_is_rolled_back_while_traffic_runs(registry, w8a16_artifact, tmp_path):
+    uri, folder = registry
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    champion = str(client.get_model_version_by_alias("smol", "champion").version)
+    broken = _broken_copy(w8a16_artifact, tmp_path / "w8-broken")
+    v = publish(broken, verdict_for(broken, tmp_path / "r"), "smol", uri)["version"]
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _canary(uri, "smol", port, _policy(tmp_path), "120s")
+    _wait_ready(url, proc)
+    with Traffic(url) as traffic:
+        end = time.monotonic() + 240
+        status = httpx.get(url + "/canary").json()
+        while status["breach"] is None and time.monotonic() < end:
+            time.sleep(0.25)
+            status = httpx.get(url + "/canary").json()
+        breach_seen = time.monotonic()
+        assert status["breach"] is not None, status
+        assert status["breach"]["failed"] == ["greedy_agreement >= 0.5"], status["breach"]
+        time.sleep(3)
+    # Every request that started after the breach went to the champion.
+    late = [side for t, _, side in traffic.sides if t > breach_seen + 1.0]
+    assert late and set(late) == {"champion"}, late
+    assert any(side == "candidate" for t, _, side in traffic.sides if t < breach_seen)
+    # The decision is in the registry before the window ends, and the champion never moved.
+    tags = client.get_model_version("smol", str(v)).tags
+    assert tags["quantpipe.canary.decision"] == "rolled_back"
+    assert "greedy_agreement" in tags["quantpipe.canary.reason"]
+    assert str(client.get_model_version_by_alias("smol", "champion").version) == champion
+    proc.terminate()
+    proc.wait(60)
+
+
+def test_canary_refuses_bad_input(registry):
+    uri, _ = registry
+    policy = CanaryPolicy([CanaryRule("error_rate", "<=", 0.0)], 1, "t", "t")
+    with pytest.raises(StageError, match=r"--fraction must be in \(0, 1\)"):
+        Canary({"champion": "http://x", "candidate": "http://y"}, 1.5, policy)
+    with pytest.raises(StageError, match="--duration must be a positive time"):
+        parse_duration("ten minutes")
+    assert parse_duration("10m") == 600 and parse_duration("90s") == 90 and parse_duration("2") == 2
+    from quantpipe.registry.canary import run_canary
+
+    with pytest.raises(StageError, match="'nosuch' has no alias 'champion'"):
+        run_canary("nosuch", uri, 0.1, 10)

@@ -1,0 +1,73 @@
+"""The regression gate on eval results (scripts/ci-gate, `quantpipe gate --against`):
+the code on main passes it against the committed references, and a change that makes
+quantization worse (GPTQ's dampening forced to a harmful value) fails it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantpipe.quantize.stage import FORCE_DAMPENING_ENV
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = ROOT / "evals" / "baselines" / "ci.yaml"
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != FORCE_DAMPENING_ENV}
+    return dict(env, TOKENIZERS_PARALLELISM="false", **extra)
+
+
+def _quantpipe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quantpipe", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env or _env(), timeout=1500)
+
+
+@pytest.fixture(scope="module")
+def ci_gate_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ci-gate")
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "ci-gate")], cwd=ROOT, capture_output=True, text=True,
+                         env=_env(CI_GATE_OUT=str(out)), timeout=1700)
+    return out, run
+
+
+def test_main_passes_the_regression_gate(ci_gate_run):
+    out, run = ci_gate_run
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    verdict = json.loads((out / "report" / "regression.json").read_text())
+    assert verdict["verdict"] == "pass" and not verdict["problems"]
+    judged = {r["candidate"] for r in verdict["rules"]}
+    assert judged == {"ci-w8a16-rtn", "ci-w4a16-gptq"}
+    assert all(r["result"] == "pass" for r in verdict["rules"])
+    # Per-stratum references are judged too, not only the overall numbers.
+    assert any(".strata." in r["metric"] for r in verdict["rules"])
+
+
+def test_harmful_gptq_dampening_fails_the_gate(ci_gate_run, tmp_path):
+    out, _ = ci_gate_run
+    # Same calibration set and commands as scripts/ci-gate, with the GPTQ candidate
+    # quantized under a dampening that swamps the Hessian (GPTQ degrades toward RTN).
+    art = tmp_path / "ci-w4a16-gptq"
+    q = _quantpipe("quantize", "--scheme", "W4A16", "--method", "gptq", "--group-size", "64", "--calib",
+                   str(out / "calib"), "--calib-samples", "64", "--calib-seq-len", "256", "--out", str(art),
+                   env=_env(**{FORCE_DAMPENING_ENV: "1000"}))
+    assert q.returncode == 0, q.stderr[-3000:]
+    manifest = json.loads((art / "quantpipe.json").read_text())
+    assert {layer["dampening"] for layer in manifest["layers"].values() if layer.get("dampening")} == {1000.0}
+    e = _quantpipe("eval", "--candidate", str(art), "--calib", str(out / "calib"), "--suite",
+                   str(ROOT / "evals" / "suites" / "ci.yaml"), "--quality-only", "--out", str(tmp_path / "report"))
+    assert e.returncode == 0, e.stderr[-3000:]
+    g = _quantpipe("gate", str(tmp_path / "report"), "--against", str(BASELINE))
+    assert g.returncode == 1, g.stdout + g.stderr
+    verdict = json.loads((tmp_path / "report" / "regression.json").read_text())
+    failed = {r["metric"] for r in verdict["rules"] if r["result"] == "fail"}
+    assert {"quality.kl_mean", "quality.top1_agreement"} <= failed, failed
+    assert all(r["candidate"] == "ci-w4a16-gptq" for r in verdict["rules"])
+    # The W8A16 candidate is absent from this report: named, never silently passed.
+    assert any("ci-w8a16-rtn" in p for p in verdict["problems"])
