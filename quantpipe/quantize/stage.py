@@ -65,10 +65,31 @@ def calibration_texts(calib: str | None) -> tuple[list[str], dict]:
                        "manifest_sha256": sha256_file(p / "manifest.json") if (p / "manifest.json").exists() else None,
                        "strata": [s["name"] for s in manifest.get("strata", [])]}
     if p.is_file():
-        text = p.read_text(encoding="utf-8", errors="replace")
-        paras = [t.strip() for t in text.split("\n\n") if t.strip()]
-        return paras, {"kind": "generic", "path": str(p), "sha256": sha256_file(p)}
+        return _generic_texts(p), {"kind": "generic", "path": str(p), "sha256": sha256_file(p)}
     raise StageError(f"--calib {calib}: no such file or folder")
+
+
+def _generic_texts(p: Path) -> list[str]:
+    """Paragraphs of a plain text file, or the `text` of each line of a JSONL file (.gz too)."""
+    import gzip
+
+    opener = gzip.open if p.suffix == ".gz" else open
+    stem = p.name.removesuffix(".gz")
+    try:
+        with opener(p, "rt", encoding="utf-8") as f:
+            if stem.endswith(".jsonl"):
+                texts = []
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        row = json.loads(line)
+                        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                            raise StageError(f"--calib {p}: line {n} has no string field 'text'")
+                        texts.append(row["text"])
+                return texts
+            return [t.strip() for t in f.read().split("\n\n") if t.strip()]
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise StageError(f"--calib {p}: cannot read it as {'gzip ' if opener is not open else ''}"
+                         f"{'JSONL' if stem.endswith('.jsonl') else 'text'}: {e}") from None
 
 
 def _token_samples(texts: list[str], tokenizer, cfg: QuantConfig) -> list[list[int]]:

@@ -127,7 +127,7 @@ class Canary:
         if not key:
             msgs = body.get("messages")
             key = json.dumps(msgs[0], sort_keys=True) if isinstance(msgs, list) and msgs else str(body.get("prompt"))
-        bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+        bucket = int.from_bytes(hashlib.sha256(str(key).encode()).digest()[:8], "big") / 2**64
         return "candidate" if bucket < self.fraction else "champion"
 
     # -- live metrics ------------------------------------------------------------

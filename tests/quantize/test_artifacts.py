@@ -236,3 +236,31 @@ def hf_reference_logits_mixed(artifact: str) -> torch.Tensor:
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     with torch.no_grad():
         return model(torch.tensor([IDS])).logits[0].float()
+
+
+def test_generic_calibration_files_plain_jsonl_and_gzip(tmp_path):
+    """A generic calibration source is read as text, JSONL (`text` per line) or either gzipped;
+    the shipped generic corpus (calib_sets/generic/generic.jsonl.gz) is the JSONL kind."""
+    import gzip
+    from pathlib import Path
+
+    from quantpipe.quantize.stage import calibration_texts
+
+    (tmp_path / "a.txt").write_text("first paragraph\n\nsecond one\n")
+    rows = "".join(json.dumps({"text": t}) + "\n" for t in ("alpha", "beta"))
+    (tmp_path / "b.jsonl").write_text(rows)
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write(rows)
+    assert calibration_texts(str(tmp_path / "a.txt"))[0] == ["first paragraph", "second one"]
+    assert calibration_texts(str(tmp_path / "b.jsonl"))[0] == ["alpha", "beta"]
+    texts, info = calibration_texts(str(tmp_path / "c.jsonl.gz"))
+    assert texts == ["alpha", "beta"] and info["kind"] == "generic"
+    shipped = Path(__file__).resolve().parents[2] / "calib_sets" / "generic" / "generic.jsonl.gz"
+    texts, _ = calibration_texts(str(shipped))
+    assert len(texts) == 2500 and all(t.isprintable() for t in texts[:50])
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    with pytest.raises(StageError, match="line 2 has no string field 'text'"):
+        calibration_texts(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(StageError, match="cannot read it as gzip JSONL"):
+        calibration_texts(str(tmp_path / "bad.jsonl.gz"))

@@ -188,6 +188,7 @@ def test_broken_candidate_is_rolled_back_while_traffic_runs(registry, w8a16_arti
         breach_seen = time.monotonic()
         assert status["breach"] is not None, status
         assert status["breach"]["failed"] == ["greedy_agreement >= 0.5"], status["breach"]
+        print(json.dumps({k: status["breach"][k] for k in ("after_s", "metrics")}))
         time.sleep(3)
     # Every request that started after the breach went to the champion.
     late = [side for t, _, side in traffic.sides if t > breach_seen + 1.0]
