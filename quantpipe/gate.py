@@ -41,42 +41,54 @@ class Rule:
         return f"{self.metric}{which} {self.op} {self.threshold:g}"
 
 
-def load_policy(path: str) -> tuple[list[Rule], dict]:
-    data = read_yaml(path, "--policy")
+def parse_rules(data, path: str, metric_ok, metric_must: str, compares: tuple[str, ...] = COMPARES) -> list[Rule]:
+    """The `rules` of a policy file (gate or canary); `metric_ok` says which metric names it takes."""
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list) or not data["rules"]:
         raise StageError(f"--policy {path}: needs a non-empty `rules` list")
     rules = []
     for i, r in enumerate(data["rules"]):
         where = f"--policy {path}: rules[{i}]"
-        if not isinstance(r, dict) or set(r) - {"metric", "compare", "op", "threshold"}:
-            raise StageError(f"{where} takes metric, compare, op and threshold; got {r!r}")
+        keys = ["metric", "compare", "op", "threshold"] if len(compares) > 1 else ["metric", "op", "threshold"]
+        if not isinstance(r, dict) or set(r) - set(keys):
+            raise StageError(f"{where} takes {', '.join(keys[:-1])} and {keys[-1]}; got {r!r}")
         metric, compare, op, thr = r.get("metric"), r.get("compare", "point"), r.get("op"), r.get("threshold")
-        if not isinstance(metric, str) or metric.split(".", 1)[0] not in SECTIONS:
-            raise StageError(f"{where}.metric must start with one of {', '.join(SECTIONS)}; got {metric!r}")
-        if compare not in COMPARES:
-            raise StageError(f"{where}.compare must be one of {', '.join(COMPARES)}; got {compare!r}")
+        if not isinstance(metric, str) or not metric_ok(metric):
+            raise StageError(f"{where}.metric must {metric_must}; got {metric!r}")
+        if compare not in compares:
+            raise StageError(f"{where}.compare must be one of {', '.join(compares)}; got {compare!r}")
         if op not in OPS:
             raise StageError(f"{where}.op must be one of {' '.join(OPS)}; got {op!r}")
         if not isinstance(thr, (int, float)) or isinstance(thr, bool):
             raise StageError(f"{where}.threshold must be a number; got {thr!r}")
         rules.append(Rule(metric, compare, op, float(thr)))
+    return rules
+
+
+def load_policy(path: str) -> tuple[list[Rule], dict]:
+    data = read_yaml(path, "--policy")
+    rules = parse_rules(data, path, lambda m: m.split(".", 1)[0] in SECTIONS,
+                        f"start with one of {', '.join(SECTIONS)}")
     return rules, {"name": data.get("name", Path(path).stem), "path": str(path), "sha256": sha256_file(path)}
 
 
-def resolve(obj, path: str) -> list[tuple[str, object]]:
-    """[(concrete path, value)] for a dotted path; keys may contain dots (strata names do),
-    so each level takes the key the path continues with; `*` takes every key."""
+def resolve_keys(obj, path: str) -> list[tuple[tuple[str, ...], object]]:
+    """[(keys, value)] for a dotted path; keys may contain dots (strata names do), so each
+    level takes the longest key the path continues with; `*` takes every key."""
     if path == "":
-        return [("", obj)]
+        return [((), obj)]
     if not isinstance(obj, dict):
         return []
     if path == "*" or path.startswith("*."):
-        rest = path[2:]
-        return [(f"{k}.{p}".rstrip("."), v) for k in obj for p, v in resolve(obj[k], rest)]
+        return [((k, *ks), v) for k in obj for ks, v in resolve_keys(obj[k], path[2:])]
     for key in sorted(obj, key=len, reverse=True):
         if path == key or path.startswith(key + "."):
-            return [(f"{key}.{p}".rstrip("."), v) for p, v in resolve(obj[key], path[len(key) + 1:])]
+            return [((key, *ks), v) for ks, v in resolve_keys(obj[key], path[len(key) + 1:])]
     return []
+
+
+def resolve(obj, path: str) -> list[tuple[str, object]]:
+    """[(concrete dotted path, value)] for a path that may hold `*` (see resolve_keys)."""
+    return [(".".join(keys), v) for keys, v in resolve_keys(obj, path)]
 
 
 def _value(v, compare: str) -> tuple[float | None, str | None]:

@@ -26,7 +26,7 @@ import json
 import math
 from pathlib import Path
 
-from quantpipe.gate import Rule, judge, resolve, write_atomic
+from quantpipe.gate import Rule, judge, resolve, resolve_keys, write_atomic
 from quantpipe.manifest import StageError, code_version, read_yaml, sha256_file
 
 WORSE = {"higher": "<=", "lower": ">="}
@@ -74,26 +74,15 @@ def reference_of(candidate: dict, patterns) -> dict:
     """The point values of `candidate` that the tolerance patterns select, nested as in the report."""
     out: dict = {}
     for pattern in patterns:
-        for path, v in resolve(candidate, pattern):
+        for keys, v in resolve_keys(candidate, pattern):
             value = v.get("point") if isinstance(v, dict) else v
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             node = out
-            keys = _split(candidate, path)
             for k in keys[:-1]:
                 node = node.setdefault(k, {})
             node[keys[-1]] = float(value)
     return out
-
-
-def _split(obj: dict, path: str) -> list[str]:
-    """A concrete dotted path as its keys (keys may contain dots: take the longest that fits)."""
-    keys = []
-    while path:
-        key = next(k for k in sorted(obj, key=len, reverse=True) if path == k or path.startswith(k + "."))
-        keys.append(key)
-        obj, path = obj[key], path[len(key) + 1:]
-    return keys
 
 
 def record(baseline: dict, report: dict, report_sha: str) -> dict:

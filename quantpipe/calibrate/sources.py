@@ -73,14 +73,14 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     return list(dict.fromkeys(files))
 
 
-def _base(path: str) -> str:
+def uncompressed_name(path: str) -> str:
     for ext in (".gz", ".zst"):
         if path.endswith(ext):
             return path[: -len(ext)]
     return path
 
 
-def open_lines(path: str) -> Iterator[tuple[int, str, bool]]:
+def open_lines(path: str, option: str = "--logs") -> Iterator[tuple[int, str, bool]]:
     """(line number, line, complete) for a plain, .gz or .zst text file."""
     if path.endswith(".gz"):
         raw = gzip.open(path, "rb")
@@ -96,13 +96,13 @@ def open_lines(path: str) -> Iterator[tuple[int, str, bool]]:
             for n, line in enumerate(f, 1):
                 yield n, line, line.endswith("\n")
     except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise StageError(f"--logs {path}: cannot be read ({e})") from None
+        raise StageError(f"{option} {path}: cannot be read ({e})") from None
 
 
 def detect_format(path: str, requested: str, text_field: str | None) -> str:
     if requested != "auto":
         return requested
-    base = _base(path).lower()
+    base = uncompressed_name(path).lower()
     if base.endswith(".csv"):
         return "csv"
     if base.endswith(".parquet"):

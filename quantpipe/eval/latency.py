@@ -82,9 +82,8 @@ RATIOS = {**{k: k.removesuffix("_s") + "_ratio" for k, *_ in LATENCY_KEYS},
 
 def latency_ab(baseline: str | None, candidates: list[str], rows: list[dict], cfg: dict,
                max_model_len: int = 2048) -> dict:
-    from quantpipe.runtime.model.tokenizer import load_tokenizer
-
     from quantpipe.runtime.llm_engine import resolve_device, resolve_dtype
+    from quantpipe.runtime.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(baseline)
     dtype = str(resolve_dtype("auto", resolve_device("auto"))).removeprefix("torch.")  # what `serve` picks here

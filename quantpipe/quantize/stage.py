@@ -70,26 +70,23 @@ def calibration_texts(calib: str | None) -> tuple[list[str], dict]:
 
 
 def _generic_texts(p: Path) -> list[str]:
-    """Paragraphs of a plain text file, or the `text` of each line of a JSONL file (.gz too)."""
-    import gzip
+    """Paragraphs of a text file, or the `text` of each line of a JSONL file (.gz, .zst too)."""
+    from quantpipe.calibrate.sources import open_lines, uncompressed_name
 
-    opener = gzip.open if p.suffix == ".gz" else open
-    stem = p.name.removesuffix(".gz")
-    try:
-        with opener(p, "rt", encoding="utf-8") as f:
-            if stem.endswith(".jsonl"):
-                texts = []
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        row = json.loads(line)
-                        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                            raise StageError(f"--calib {p}: line {n} has no string field 'text'")
-                        texts.append(row["text"])
-                return texts
-            return [t.strip() for t in f.read().split("\n\n") if t.strip()]
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise StageError(f"--calib {p}: cannot read it as {'gzip ' if opener is not open else ''}"
-                         f"{'JSONL' if stem.endswith('.jsonl') else 'text'}: {e}") from None
+    lines = open_lines(str(p), "--calib")
+    if not uncompressed_name(str(p)).endswith(".jsonl"):
+        return [t.strip() for t in "".join(line for _, line, _ in lines).split("\n\n") if t.strip()]
+    texts = []
+    for n, line, _ in lines:
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise StageError(f"--calib {p}: line {n} is not a JSON object with a string field 'text'")
+            texts.append(row["text"])
+    return texts
 
 
 def _token_samples(texts: list[str], tokenizer, cfg: QuantConfig) -> list[list[int]]:

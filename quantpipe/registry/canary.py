@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import quantpipe.evals
-from quantpipe.gate import OPS
+from quantpipe.gate import OPS, Rule, parse_rules
 from quantpipe.manifest import StageError, read_yaml
 
 log = logging.getLogger("quantpipe.canary")
@@ -38,19 +38,9 @@ METRICS = ("ttft_p99_ratio", "tpot_p99_ratio", "error_rate", "timeout_rate", "gr
 SIDES = ("champion", "candidate")
 
 
-@dataclass(frozen=True)
-class CanaryRule:
-    metric: str
-    op: str
-    threshold: float
-
-    def describe(self) -> str:
-        return f"{self.metric} {self.op} {self.threshold:g}"
-
-
 @dataclass
 class CanaryPolicy:
-    rules: list[CanaryRule]
+    rules: list[Rule]  # compare is always "point": the live numbers have no CI
     min_samples: int
     name: str
     path: str
@@ -59,20 +49,7 @@ class CanaryPolicy:
 def load_canary_policy(path: str | None = None) -> CanaryPolicy:
     path = str(path or DEFAULT_CANARY_POLICY)
     data = read_yaml(path, "--policy")
-    if not isinstance(data, dict) or not isinstance(data.get("rules"), list) or not data["rules"]:
-        raise StageError(f"--policy {path}: needs a non-empty `rules` list")
-    rules = []
-    for i, r in enumerate(data["rules"]):
-        where = f"--policy {path}: rules[{i}]"
-        if not isinstance(r, dict) or set(r) != {"metric", "op", "threshold"}:
-            raise StageError(f"{where} takes metric, op and threshold; got {r!r}")
-        if r["metric"] not in METRICS:
-            raise StageError(f"{where}.metric must be one of {', '.join(METRICS)}; got {r['metric']!r}")
-        if r["op"] not in OPS:
-            raise StageError(f"{where}.op must be one of {' '.join(OPS)}; got {r['op']!r}")
-        if isinstance(r["threshold"], bool) or not isinstance(r["threshold"], (int, float)):
-            raise StageError(f"{where}.threshold must be a number; got {r['threshold']!r}")
-        rules.append(CanaryRule(r["metric"], r["op"], float(r["threshold"])))
+    rules = parse_rules(data, path, lambda m: m in METRICS, f"be one of {', '.join(METRICS)}", ("point",))
     n = data.get("min_samples", 8)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise StageError(f"--policy {path}: min_samples must be an integer >= 1; got {n!r}")
@@ -107,7 +84,7 @@ class Canary:
         self.urls, self.fraction, self.policy = urls, fraction, policy
         # Clients name one model (the registered name); each side is asked for its own id.
         self.served_name, self.model_ids = served_name, model_ids or {}
-        self.mirror_fraction, self.mirror_tokens, self.timeout_s = mirror_fraction, mirror_tokens, request_timeout_s
+        self.mirror_fraction, self.mirror_tokens = mirror_fraction, mirror_tokens
         self.stats = {s: SideStats() for s in SIDES}
         self.agreement: list[float] = []
         self.routing = True  # False once a rule is breached: every request goes to the champion

@@ -259,8 +259,8 @@ def test_generic_calibration_files_plain_jsonl_and_gzip(tmp_path):
     texts, _ = calibration_texts(str(shipped))
     assert len(texts) == 2500 and all(t.isprintable() for t in texts[:50])
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
-    with pytest.raises(StageError, match="line 2 has no string field 'text'"):
+    with pytest.raises(StageError, match="line 2 is not a JSON object with a string field 'text'"):
         calibration_texts(str(tmp_path / "bad.jsonl"))
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
-    with pytest.raises(StageError, match="cannot read it as gzip JSONL"):
+    with pytest.raises(StageError, match=r"--calib .*bad.jsonl.gz: cannot be read"):
         calibration_texts(str(tmp_path / "bad.jsonl.gz"))

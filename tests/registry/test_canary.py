@@ -18,9 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from quantpipe.gate import Rule
 from quantpipe.manifest import StageError
 from quantpipe.registry import promote, publish
-from quantpipe.registry.canary import Canary, CanaryPolicy, CanaryRule, load_canary_policy, parse_duration
+from quantpipe.registry.canary import Canary, CanaryPolicy, load_canary_policy, parse_duration
 from tests.registry.test_registry import verdict_for
 
 mlflow = pytest.importorskip("mlflow")
@@ -207,7 +208,7 @@ def test_broken_candidate_is_rolled_back_while_traffic_runs(registry, w8a16_arti
 
 def test_canary_refuses_bad_input(registry):
     uri, _ = registry
-    policy = CanaryPolicy([CanaryRule("error_rate", "<=", 0.0)], 1, "t", "t")
+    policy = CanaryPolicy([Rule("error_rate", "point", "<=", 0.0)], 1, "t", "t")
     with pytest.raises(StageError, match=r"--fraction must be in \(0, 1\)"):
         Canary({"champion": "http://x", "candidate": "http://y"}, 1.5, policy)
     with pytest.raises(StageError, match="--duration must be a positive time"):
