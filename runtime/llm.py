@@ -18,6 +18,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         kv_cache_memory: str | int | float | None = None,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
         seed: int = 0,
         device: str = "auto",
@@ -27,7 +28,7 @@ class LLM:
             EngineArgs(
                 model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching, seed=seed,
+                kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching, seed=seed,
             )
         )
 

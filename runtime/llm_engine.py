@@ -13,6 +13,7 @@ import torch
 from quantpipe.runtime.engine.block_pool import BlockPool
 from quantpipe.runtime.engine.request import Request
 from quantpipe.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from quantpipe.runtime.model.kv_cache import check_kv_cache_dtype
 from quantpipe.runtime.model.loader import load_model
 from quantpipe.runtime.model.runner import ModelRunner
 from quantpipe.runtime.model.sampler import SamplingRow, sample
@@ -34,6 +35,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     kv_cache_memory: str | int | float | None = None  # bytes ("2GiB") or a fraction of free memory
+    # "auto": the artifact's kv_cache_scheme if it has one, else the model dtype; "int8"/"fp8" override it
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     seed: int = 0
 
@@ -85,15 +88,19 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.device)
         if args.block_size < 1 or args.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {args.block_size}")
+        check_kv_cache_dtype(args.kv_cache_dtype)
         model, self.model_config, self.tokenizer = load_model(args.model, self.dtype, self.device)
         model.to(self.device)
+        if args.kv_cache_dtype != "auto":
+            model.kv_cache_dtype = args.kv_cache_dtype
+        self.kv_cache_dtype = model.kv_cache_dtype
         cfg = self.model_config
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len must be <= the model's context ({cfg.max_position_embeddings}), got {self.max_model_len}"
             )
-        per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, self.dtype)
+        per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, self.dtype, self.kv_cache_dtype)
         budget = self._kv_budget(args.kv_cache_memory)
         num_blocks = budget // per_block
         if num_blocks < 1:
@@ -110,10 +117,12 @@ class LLMEngine:
         self.tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "batched_tokens": 0}
+        plain = ModelRunner.kv_bytes_per_block(cfg, args.block_size, self.dtype)
         log.info(
-            "KV cache: %d blocks of %d tokens = %d tokens, %s (%s, %s)",
+            "KV cache: %d blocks of %d tokens = %d tokens, %s (%s, %s)%s",
             num_blocks, args.block_size, num_blocks * args.block_size, format_bytes(self.kv_cache_bytes),
-            self.dtype, self.device,
+            self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype, self.device,
+            "" if self.kv_cache_dtype == "auto" else f"; {plain / per_block:.2f}x the tokens of a {self.dtype} cache",
         )
 
     def _kv_budget(self, value) -> int:

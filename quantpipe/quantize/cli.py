@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from quantpipe.manifest import StageError
-from quantpipe.quantize.config import CLIPS, METHODS, SCHEMES, QuantConfig
+from quantpipe.quantize.config import CLIPS, KV_CACHES, METHODS, SCHEMES, QuantConfig
 
 
 @click.command("quantize", help="Quantize a model's weights into a compressed-tensors artifact.")
@@ -27,6 +27,8 @@ from quantpipe.quantize.config import CLIPS, METHODS, SCHEMES, QuantConfig
 @click.option("--smoothquant-alpha", type=float, default=0.5, show_default=True,
               help="W8A8: SmoothQuant migration strength (0 < alpha < 1)")
 @click.option("--no-smoothquant", is_flag=True, help="W8A8 without SmoothQuant")
+@click.option("--kv-cache", type=click.Choice(KV_CACHES), default="none", show_default=True,
+              help="KV cache the artifact is served with: 8-bit, a scale per token and KV head")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="scales and unquantized tensors")
 @click.option("--out", required=True, help="artifact folder (written only when complete)")
@@ -43,6 +45,7 @@ def quantize_command(model, calib, out, overwrite, **options) -> int:
         click.echo(f"quantpipe quantize: {e}", err=True)
         return 2
     m = art.manifest
-    click.echo(f"{m['weights']} ({m['method']}) over {len(m['layers'])} linears: {m['bytes']['ratio']:.1%} of "
+    kv = f", KV cache {cfg.kv_cache}" if cfg.kv_cache != "none" else ""
+    click.echo(f"{m['weights']} ({m['method']}){kv} over {len(m['layers'])} linears: {m['bytes']['ratio']:.1%} of "
                f"their bf16 bytes; {sum(m['time_s'].values()):.1f}s -> {art.path}")
     return 0

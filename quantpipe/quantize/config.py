@@ -17,6 +17,7 @@ SCHEMES = ("W8A16", "W4A16", "W8A8", "mixed")
 METHODS = ("rtn", "gptq")
 GROUP_SIZES = (32, 64, 128)
 CLIPS = ("minmax", "mse")
+KV_CACHES = ("none", "int8", "fp8")
 
 
 @dataclass
@@ -36,6 +37,7 @@ class QuantConfig:
     smoothquant_alpha: float | None = 0.5  # W8A8: migrate activation outliers into weights; None: off
     bits_budget: float | None = None  # mixed: average bits per quantized weight, scales included
     sensitivity_samples: int = 8  # mixed: calibration sequences the per-layer KL is measured on
+    kv_cache: str = "none"  # K/V storage the artifact is served with: int8 or fp8 per token and KV head
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -53,6 +55,8 @@ class QuantConfig:
                 raise StageError(f"smoothquant_alpha must be in (0, 1), got {self.smoothquant_alpha}")
         if self.method not in METHODS:
             raise StageError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.kv_cache not in KV_CACHES:
+            raise StageError(f"kv_cache must be one of {', '.join(KV_CACHES)}; got {self.kv_cache!r}")
         if self.clip not in CLIPS:
             raise StageError(f"clip must be one of {', '.join(CLIPS)}; got {self.clip!r}")
         if self.group_size is not None and self.group_size not in GROUP_SIZES:
@@ -81,6 +85,14 @@ class QuantConfig:
                 raise StageError(f"no group size of 128, 64 or 32 divides every layer's input size "
                                  f"{sorted(set(in_features))}")
         return WeightScheme(self.num_bits, gs, self.symmetric)
+
+    def kv_cache_scheme(self) -> dict | None:
+        """compressed-tensors' kv_cache_scheme: quantization args of K and V, dynamic per token."""
+        if self.kv_cache == "none":
+            return None
+        return {"num_bits": 8, "type": "int" if self.kv_cache == "int8" else "float",
+                "symmetric": self.kv_cache == "fp8", "strategy": "token", "dynamic": True,
+                "group_size": None, "observer": None}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

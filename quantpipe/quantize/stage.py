@@ -355,7 +355,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     qconfig = {
         "quant_method": "compressed-tensors", "format": "mixed-precision" if cfg.scheme == "mixed" else fmt,
         "quantization_status": "compressed", "config_groups": groups,
-        "ignore": kept, "kv_cache_scheme": None, "global_compression_ratio": None,
+        "ignore": kept, "kv_cache_scheme": cfg.kv_cache_scheme(), "global_compression_ratio": None,
     }
     config = hf_config(mcfg, scale_dtype)
     config["quantization_config"] = qconfig
@@ -380,6 +380,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             "method": cfg.method, "parameters": cfg.to_dict(),
             "group_size": scheme.group_size, "calibration": calib_info, "layers": layers_table,
             "activations": "int8 per token, dynamic" if w8a8 else None, "smoothquant": smoothing,
+            "kv_cache": None if cfg.kv_cache == "none" else f"{cfg.kv_cache} per token and KV head, dynamic",
             "mixed_precision": sensitivity,
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},

@@ -1,8 +1,8 @@
 """Paged attention: K/V live in fixed-size blocks addressed through block tables.
 
-The cache of one layer is a flat tensor of slots `[num_blocks * block_size, kv_heads,
-head_dim]`; slot = block_id * block_size + offset. New K/V are scattered into their
-slots, then each query reads only its own request's slots. Decodes (one query token)
+The cache of one layer holds slots `[num_blocks * block_size, kv_heads, head_dim]`
+(slot = block_id * block_size + offset) in the model dtype or 8-bit (kv_cache.py). New
+K/V are written into their slots, then each query reads only its own request's slots. Decodes (one query token)
 are sorted by context length and batched into a few SDPA calls over padded slot
 tables (grouping similar lengths keeps padding small); prefill chunks run one SDPA
 call each. This plain-PyTorch path is used on CPU and CUDA alike.
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from quantpipe.runtime.model.kv_cache import KVCache, QuantizedKVCache
 
 
 @dataclass
@@ -43,33 +45,20 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_blocks * block_size, KVH, D] keys or values.
-
-    Whole blocks are copied as contiguous rows with index_select, much faster on CPU
-    than gathering token by token or advanced indexing.
-    """
-    rows = cache.view(-1, block_size * cache.shape[1] * cache.shape[2]).index_select(0, block_table.flatten())
-    return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, *cache.shape[1:])
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [S, KVH, D]
-    v_cache: torch.Tensor,
+    cache: KVCache | QuantizedKVCache,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    cache.write(meta.slot_mapping, k, v)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for g in meta.decodes:
         rows = slice(g.q_start, g.q_start + g.count)
         qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
-        kd = _gather(k_cache, g.block_table, meta.block_size).transpose(1, 2)  # [B, KVH, L, D]
-        vd = _gather(v_cache, g.block_table, meta.block_size).transpose(1, 2)
+        kd, vd = (x.transpose(1, 2) for x in cache.gather(g.block_table, meta.block_size))  # [B, KVH, L, D]
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, enable_gqa=gqa)
         out[rows] = od.squeeze(2)
     for span in meta.prefills:
@@ -77,11 +66,10 @@ def paged_attention(
         # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel.
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.block_table is None:
-            kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+            kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in cache.fresh(k[rows], v[rows]))
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
         else:
-            kp = _gather(k_cache, span.block_table, meta.block_size).transpose(0, 1).unsqueeze(0)
-            vp = _gather(v_cache, span.block_table, meta.block_size).transpose(0, 1).unsqueeze(0)
+            kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in cache.gather(span.block_table, meta.block_size))
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=gqa)
         out[rows] = op[0].transpose(0, 1)
     return out

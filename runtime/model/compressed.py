@@ -82,6 +82,29 @@ def validate(qcfg: dict) -> None:
                              f"supported; 'weight' is")
 
 
+def kv_cache_dtype(qcfg: dict, state: dict[str, torch.Tensor]) -> str:
+    """The runtime's KV cache format for `kv_cache_scheme` ("auto" when there is none).
+
+    int8 is quantpipe's dynamic per-token-and-head scheme. An fp8 scheme is served with
+    per-token-and-head scales too: the static per-tensor `k_scale`/`v_scale` an
+    llm-compressor fp8 checkpoint carries are finer-grained here, so they are dropped.
+    """
+    kv = qcfg.get("kv_cache_scheme")
+    for k in [k for k in state if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))]:
+        state.pop(k)
+    if not kv:
+        return "auto"
+    kind = (kv.get("type", "int"), kv.get("num_bits"))
+    if kind == ("int", 8):
+        if kv.get("strategy") != "token" or not kv.get("dynamic"):
+            raise ValueError(f"quantization_config.kv_cache_scheme: int8 is supported dynamic per token only "
+                             f"(strategy 'token', dynamic true), got {kv}")
+        return "int8"
+    if kind == ("float", 8):
+        return "fp8"
+    raise ValueError(f"quantization_config.kv_cache_scheme: 8-bit int or float only, got {kind[0]} {kind[1]}")
+
+
 def read_quantized(state: dict[str, torch.Tensor], qcfg: dict, module: str) -> QuantWeight | None:
     """Pop `module`'s quantized tensors from `state` into a QuantWeight (None: not quantized)."""
     group = scheme_of(qcfg, module)

@@ -12,14 +12,24 @@ from __future__ import annotations
 import torch
 
 from quantpipe.runtime.model.attention import AttentionMetadata, PrefillSpan
+from quantpipe.runtime.model.kv_cache import make_kv_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
+
+
+def scratch_cache(model: LlamaForCausalLM, num_slots: int):
+    """One cache shared by all layers: each layer writes and reads it within its own call.
+
+    It has the model's KV format, so scoring a KV-quantized model includes the cache's rounding.
+    """
+    cfg, p = model.config, next(model.parameters())
+    return make_kv_cache(num_slots, cfg.num_kv_heads, cfg.head_dim, model.embed_tokens.weight.dtype, p.device,
+                         model.kv_cache_dtype)
 
 
 class SequencePass:
     """Per-layer access to one sequence's forward pass (for layer-by-layer calibration)."""
 
     def __init__(self, model: LlamaForCausalLM, ids: list[int] | torch.Tensor):
-        cfg = model.config
         p = next(model.parameters())
         self.model = model
         self.ids = torch.as_tensor(ids, dtype=torch.long, device=p.device)
@@ -27,7 +37,7 @@ class SequencePass:
         self.meta = AttentionMetadata(slot_mapping=torch.arange(n, device=p.device), block_size=1,
                                       prefills=[PrefillSpan(0, n, n, None)])
         dtype = model.embed_tokens.weight.dtype
-        self.kv = torch.empty((2, n, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=p.device)
+        self.kv = scratch_cache(model, n)
         positions = torch.arange(n, device=p.device)
         self.cos, self.sin = model.rotary(positions, dtype)
 
@@ -35,7 +45,7 @@ class SequencePass:
         return self.model.embed_tokens(self.ids)
 
     def layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        return self.model.layers[i](x, self.cos, self.sin, (self.kv[0], self.kv[1]), self.meta)
+        return self.model.layers[i](x, self.cos, self.sin, self.kv, self.meta)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.norm(x)).float()
@@ -62,7 +72,7 @@ def continuation_logits(model: LlamaForCausalLM, prefix: list[int], conts: list[
     same numbers. lm_head runs only on the rows that predict continuation tokens.
     """
     p = next(model.parameters())
-    cfg, dev = model.config, p.device
+    dev = p.device
     n0 = len(prefix)
     ids = torch.tensor(prefix + [t for c in conts for t in c], dtype=torch.long, device=dev)
     spans, positions, rows, at = [PrefillSpan(0, n0, n0, None)], [torch.arange(n0, device=dev)], [], n0
@@ -76,10 +86,10 @@ def continuation_logits(model: LlamaForCausalLM, prefix: list[int], conts: list[
         at += k
     meta = AttentionMetadata(slot_mapping=torch.arange(at, device=dev), block_size=1, prefills=spans)
     dtype = model.embed_tokens.weight.dtype
-    kv = torch.empty((2, at, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=dev)
+    kv = scratch_cache(model, at)
     cos, sin = model.rotary(torch.cat(positions), dtype)
     x = model.embed_tokens(ids)
     for layer in model.layers:
-        x = layer(x, cos, sin, (kv[0], kv[1]), meta)
+        x = layer(x, cos, sin, kv, meta)
     logits = model.lm_head(model.norm(x.index_select(0, torch.cat(rows)))).float()
     return list(logits.split([len(c) for c in conts]))

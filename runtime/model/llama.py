@@ -84,7 +84,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        out = paged_attention(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -123,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.kv_cache_dtype = "auto"  # the KV cache format this model is served with (kv_cache.py)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_rows: torch.Tensor):
         """Returns float32 logits for the rows in `logits_rows` only."""

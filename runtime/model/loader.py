@@ -107,8 +107,11 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
-    quant = _quantized_layers(state, raw["quantization_config"], cfg) if raw.get("quantization_config") else {}
+    qcfg = raw.get("quantization_config")
+    quant = _quantized_layers(state, qcfg, cfg) if qcfg else {}
+    kv_dtype = compressed.kv_cache_dtype(qcfg, state) if qcfg else "auto"
     model = _build(cfg, _fuse(state, cfg), dtype, quantized=set(quant))
+    model.kv_cache_dtype = kv_dtype
     if quant:
         if cfg.tie_word_embeddings and "lm_head" in quant:
             raise ValueError("lm_head is quantized but tied to the embeddings; untie it before quantizing")

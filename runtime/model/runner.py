@@ -10,6 +10,7 @@ import torch
 
 from quantpipe.runtime.engine.scheduler import ScheduledChunk
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from quantpipe.runtime.model.kv_cache import bytes_per_token, make_kv_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
 
 
@@ -19,16 +20,15 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            make_kv_cache(num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, model.kv_cache_dtype)
             for _ in range(cfg.num_layers)
         ]
 
     @staticmethod
-    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
+    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        c = model_config
+        return block_size * bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

@@ -30,6 +30,9 @@ def serve_options(f):
         click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True),
         click.option("--max-model-len", type=int, default=None),
         click.option("--kv-cache-memory", default=None, help="bytes ('2GiB') or a fraction of free memory (0.5)"),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default="auto",
+                     show_default=True, help="KV cache storage; auto: the artifact's kv_cache_scheme, else the "
+                                             "model dtype"),
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True),
         # server
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_memory=_kv_memory(args.kv_cache_memory),
-            enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         ))
     except (ValueError, OSError) as e:
         print(f"quantpipe serve: {e}", file=sys.stderr)

@@ -1,0 +1,144 @@
+"""KV cache in INT8 and FP8: the storage round trip, the engine on the default model
+(no leaked blocks, prefix caching, greedy output independent of the batch but for near ties), its quality
+against the model-dtype cache, and artifacts that declare a kv_cache_scheme."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from quantpipe.manifest import StageError
+from quantpipe.quantize import QuantConfig, quantize
+from quantpipe.runtime import LLM, SamplingParams
+from quantpipe.runtime.model.forward import sequence_logits
+from quantpipe.runtime.model.kv_cache import QuantizedKVCache, bytes_per_token, make_kv_cache
+from quantpipe.runtime.model.loader import load_model
+from tests.model.test_parity_architectures import build
+from tests.test_llm_default_model import BLOCK_FP32, mixed_prompts
+
+
+def kv_like(n: int, seed: int = 0) -> torch.Tensor:
+    """[n, 3, 64] values with a few large channels, as rotated keys have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 64, generator=g)
+    x[..., :4] *= 20
+    return x
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_written_slots_read_back_within_the_format_step(kind):
+    cache = QuantizedKVCache(8 * 4, 3, 64, torch.float32, "cpu", kind)
+    k, v = kv_like(12), kv_like(12, seed=1)
+    slots = torch.tensor([4, 5, 6, 7, 12, 13, 14, 15, 28, 29, 30, 31])  # blocks 1, 3 and 7 of 4 slots
+    cache.write(slots, k, v)
+    got_k, got_v = cache.gather(torch.tensor([1, 3, 7]), 4)
+    for x, got in ((k, got_k), (v, got_v)):
+        err = (got - x).abs()
+        if kind == "int8":  # half a step of (max - min) / 255 per token and head, plus fp16 rounding
+            step = (x.amax(-1) - x.amin(-1)) / 255
+            assert (err <= step[..., None] * 0.51 + 1e-3 * x.abs()).all(), err.max()
+        else:  # e4m3 keeps 3 mantissa bits: relative error <= 1/16, plus the subnormal floor
+            scale = x.abs().amax(-1, keepdim=True) / 448
+            assert (err <= x.abs() / 16 + scale * 2**-6).all(), err.max()
+        assert err.max() > 0  # it is really stored in 8 bits
+    # A prefill's own keys go through the same round trip as keys read from the cache.
+    fresh_k, fresh_v = cache.fresh(k, v)
+    assert torch.equal(fresh_k, got_k) and torch.equal(fresh_v, got_v)
+
+
+def test_tokens_per_byte_and_bad_names():
+    bf16 = bytes_per_token(30, 3, 64, torch.bfloat16, "auto")
+    assert bf16 / bytes_per_token(30, 3, 64, torch.bfloat16, "int8") >= 1.85
+    assert bf16 / bytes_per_token(30, 3, 64, torch.bfloat16, "fp8") >= 1.9
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8; got 'int4'"):
+        make_kv_cache(16, 3, 64, torch.float32, "cpu", "int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(dtype="float32", device="cpu", kv_cache_dtype="float8")
+
+
+@pytest.fixture(scope="module")
+def llm_int8():
+    # 12 float32 blocks' worth of bytes hold 45 int8 blocks (720 tokens): two long requests wide.
+    return LLM(dtype="float32", device="cpu", max_num_batched_tokens=256, kv_cache_memory=12 * BLOCK_FP32,
+               kv_cache_dtype="int8")
+
+
+@pytest.mark.slow
+def test_int8_engine_frees_every_block_hits_the_prefix_cache_and_flips_only_near_ties(llm_int8, corpus_prompts):
+    eng = llm_int8.engine
+    assert eng.pool.num_blocks == 12 * BLOCK_FP32 // (16 * bytes_per_token(30, 3, 64, torch.float32, "int8"))
+    tok = llm_int8.get_tokenizer()
+    prompts = mixed_prompts(tok, corpus_prompts, n=24)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batched = llm_int8.generate(prompts, params)
+    assert eng.pool.num_free == eng.pool.num_blocks
+    eng.pool.check_invariants()
+    assert sum(r.metrics.num_cached_tokens for r in batched) > 0
+    assert sum(r.metrics.num_preemptions for r in batched) > 0
+    # Alone, each prompt is prefilled in one chunk and decoded without neighbours; in the
+    # batch it was chunked, preempted or padded among others. float32 K/V differ in their
+    # last bits between those shapes, and 8-bit rounding can turn such a difference into
+    # one step of the grid, so a greedy choice may flip, but only where the model is
+    # nearly tied between its top two tokens; anywhere else the outputs must agree.
+    alone = [llm_int8.generate([p], params)[0] for p in prompts[:8]]
+    flips = []
+    for p, a, b in zip(prompts, alone, batched):
+        got, ref = a.outputs[0].token_ids, b.outputs[0].token_ids
+        if got != ref:
+            at = next(j for j in range(len(got)) if got[j] != ref[j])
+            top = sequence_logits(eng.runner.model, p + got)[len(p) - 1 + at].topk(2).values
+            flips.append((top[0] - top[1]).item())
+    assert len(flips) <= 2 and all(m < 0.1 for m in flips), flips
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, max_kl", [("int8", 0.002), ("fp8", 0.02)])
+def test_kv_quantization_costs_little_on_the_default_model(corpus_prompts, kind, max_kl):
+    model, _, tok = load_model(None, torch.float32)
+    ids = tok.encode("\n\n".join(corpus_prompts))[:384]
+    base = sequence_logits(model, ids).log_softmax(-1)
+    model.kv_cache_dtype = kind
+    got = sequence_logits(model, ids).log_softmax(-1)
+    kl = (base.exp() * (base - got)).sum(-1).mean().item()
+    assert 0 < kl < max_kl, kl
+    assert (base.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_artifact_declares_its_kv_cache_and_the_runtime_serves_it(tmp_path, kind):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    _, src = build(tmp_path, "llama-tied")
+    out = str(tmp_path / "art")
+    art = quantize(src, QuantConfig(scheme="W8A16", kv_cache=kind), None, out)
+    qcfg = json.load(open(f"{out}/config.json"))["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qcfg).kv_cache_scheme
+    assert (parsed.num_bits, parsed.type, parsed.strategy, parsed.dynamic) == \
+        (8, "int" if kind == "int8" else "float", "token", True)
+    assert art.manifest["kv_cache"].startswith(kind)
+    model, _, _ = load_model(out, torch.float32)
+    assert model.kv_cache_dtype == kind
+    llm = LLM(model=out, dtype="float32", kv_cache_memory="4MiB")
+    assert isinstance(llm.engine.runner.kv_caches[0], QuantizedKVCache) and llm.engine.runner.kv_caches[0].kind == kind
+    out_ids = llm.generate([[3, 17, 250, 99]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out_ids[0].outputs[0].token_ids) == 6
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    # The engine's kv_cache_dtype overrides the artifact's, as vLLM's does.
+    other = "fp8" if kind == "int8" else "int8"
+    assert LLM(model=out, dtype="float32", kv_cache_memory="4MiB", kv_cache_dtype=other).engine.kv_cache_dtype == other
+
+
+def test_bad_kv_cache_choices_are_refused(tmp_path):
+    with pytest.raises(StageError, match="kv_cache must be one of none, int8, fp8; got 'int4'"):
+        QuantConfig(kv_cache="int4")
+    _, src = build(tmp_path, "llama-tied")
+    out = tmp_path / "art"
+    quantize(src, QuantConfig(scheme="W8A16", kv_cache="int8"), None, str(out))
+    cfg = json.load(open(out / "config.json"))
+    cfg["quantization_config"]["kv_cache_scheme"]["num_bits"] = 4
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="kv_cache_scheme: 8-bit int or float only, got int 4"):
+        load_model(str(out), torch.float32)
