@@ -91,16 +91,19 @@ class LLMEngine:
         check_kv_cache_dtype(args.kv_cache_dtype)
         model, self.model_config, self.tokenizer = load_model(args.model, self.dtype, self.device)
         model.to(self.device)
-        if args.kv_cache_dtype != "auto":
+        if args.kv_cache_dtype != "auto":  # asked for explicitly: dynamic scales, whatever the artifact says
             model.kv_cache_dtype = args.kv_cache_dtype
+            for layer in model.layers:
+                layer.self_attn.kv_scales = None
         self.kv_cache_dtype = model.kv_cache_dtype
+        static = model.layers[0].self_attn.kv_scales is not None
         cfg = self.model_config
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len must be <= the model's context ({cfg.max_position_embeddings}), got {self.max_model_len}"
             )
-        per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, self.dtype, self.kv_cache_dtype)
+        per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, self.dtype, self.kv_cache_dtype, static)
         budget = self._kv_budget(args.kv_cache_memory)
         num_blocks = budget // per_block
         if num_blocks < 1:
@@ -121,7 +124,8 @@ class LLMEngine:
         log.info(
             "KV cache: %d blocks of %d tokens = %d tokens, %s (%s, %s)%s",
             num_blocks, args.block_size, num_blocks * args.block_size, format_bytes(self.kv_cache_bytes),
-            self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype, self.device,
+            self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype + (" static" if static else ""),
+            self.device,
             "" if self.kv_cache_dtype == "auto" else f"; {plain / per_block:.2f}x the tokens of a {self.dtype} cache",
         )
 

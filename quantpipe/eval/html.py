@@ -70,12 +70,14 @@ def report_html(report: dict) -> str:
              f"<p>scope <b>{report['scope']}</b>; baseline {html.escape(report['baseline']['model'])} "
              f"(sha256 {report['baseline']['sha256'][:12]}); held-out {html.escape(report['heldout']['path'])} "
              f"({report['heldout']['rows']} texts); code {html.escape(report['code_version'])}</p>"]
-    head = ["candidate", "weights", "weight bytes"] + [label for _, label, _ in QUALITY] + \
+    head = ["candidate", "weights", "weight bytes", "KV bytes/token"] + [label for _, label, _ in QUALITY] + \
         ["greedy exact match", "MC drop (points)", "TPOT P50 ratio", "tok/s ratio"]
     rows = []
     for c in report["candidates"]:
         q, lat = c.get("quality", {}), c.get("latency", {})
-        rows.append([c["name"], c["weights"], f"{c['memory']['weight_bytes_ratio']:.1%}"]
+        mem = c["memory"]
+        rows.append([c["name"], c["weights"], f"{mem['weight_bytes_ratio']:.1%}",
+                     f"{mem['kv_bytes_per_token_ratio']:.1%}" if "kv_bytes_per_token_ratio" in mem else ""]
                     + [_ci(q.get(k), fmt) for k, _, fmt in QUALITY]
                     + [_ci(c.get("generation", {}).get("exact_match"), "{:.1%}"),
                        _ci((c.get("mc") or {}).get("accuracy_drop_points"), "{:+.1f}"),

@@ -89,10 +89,21 @@ def quality_section(scores, groups: dict[str, list[int]], q: dict) -> dict:
     return out
 
 
-def _weight_bytes(m: dict) -> dict:
+def _memory(m: dict, artifact: str) -> dict:
+    """Weight bytes from the manifest; KV bytes per token against a bf16 cache, from the artifact's format."""
+    from quantpipe.runtime.model.config import ModelConfig
+    from quantpipe.runtime.model.kv_cache import bytes_per_token
+
     b = m["bytes"]
+    config = json.loads((Path(artifact) / "config.json").read_text())
+    kv = (config.get("quantization_config") or {}).get("kv_cache_scheme")
+    kind = "auto" if not kv else ("int8" if kv.get("type", "int") == "int" else "fp8")
+    hd = ModelConfig.from_hf(config).head_dim
+    ratio = bytes_per_token(1, 1, hd, torch.bfloat16, kind, static=bool(kv) and not kv.get("dynamic")) / \
+        bytes_per_token(1, 1, hd, torch.bfloat16, "auto")
     return {"weight_bytes_ratio": b["ratio"], "quantized_linear_bytes": b["quantized_linears"],
-            "bf16_linear_bytes": b["bf16_equivalent"]}
+            "bf16_linear_bytes": b["bf16_equivalent"], "kv_cache": m.get("kv_cache"),
+            "kv_bytes_per_token_ratio": round(ratio, 4)}
 
 
 def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None = None,
@@ -122,7 +133,7 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
     groups = stratum_groups(rows)
 
     entries = [{"name": Path(c).name, "path": str(c), "sha256": artifact_sha256(c), "scheme": m["scheme"],
-                "weights": m["weights"], "method": m["method"], "memory": _weight_bytes(m)}
+                "weights": m["weights"], "method": m["method"], "memory": _memory(m, c)}
                for c, m in zip(candidates, manifests)]
     phases: dict[str, float] = {}
     if scope in ("full", "quality"):

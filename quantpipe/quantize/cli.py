@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from quantpipe.manifest import StageError
-from quantpipe.quantize.config import CLIPS, KV_CACHES, METHODS, SCHEMES, QuantConfig
+from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, SCHEMES, QuantConfig
 
 
 @click.command("quantize", help="Quantize a model's weights into a compressed-tensors artifact.")
@@ -28,7 +28,10 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, METHODS, SCHEMES, QuantC
               help="W8A8: SmoothQuant migration strength (0 < alpha < 1)")
 @click.option("--no-smoothquant", is_flag=True, help="W8A8 without SmoothQuant")
 @click.option("--kv-cache", type=click.Choice(KV_CACHES), default="none", show_default=True,
-              help="KV cache the artifact is served with: 8-bit, a scale per token and KV head")
+              help="KV cache the artifact is served with (8-bit)")
+@click.option("--kv-cache-strategy", type=click.Choice(KV_STRATEGIES), default="token", show_default=True,
+              help="token: a scale per token and KV head at run time; channel: static, one per KV head and "
+                   "channel, from --calib")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="scales and unquantized tensors")
 @click.option("--out", required=True, help="artifact folder (written only when complete)")

@@ -18,6 +18,7 @@ METHODS = ("rtn", "gptq")
 GROUP_SIZES = (32, 64, 128)
 CLIPS = ("minmax", "mse")
 KV_CACHES = ("none", "int8", "fp8")
+KV_STRATEGIES = ("token", "channel")  # dynamic per token and KV head; static per KV head and channel
 
 
 @dataclass
@@ -37,7 +38,8 @@ class QuantConfig:
     smoothquant_alpha: float | None = 0.5  # W8A8: migrate activation outliers into weights; None: off
     bits_budget: float | None = None  # mixed: average bits per quantized weight, scales included
     sensitivity_samples: int = 8  # mixed: calibration sequences the per-layer KL is measured on
-    kv_cache: str = "none"  # K/V storage the artifact is served with: int8 or fp8 per token and KV head
+    kv_cache: str = "none"  # K/V storage the artifact is served with: int8 or fp8
+    kv_cache_strategy: str = "token"  # token: scales per token and KV head at run time; channel: static, calibrated
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -57,6 +59,9 @@ class QuantConfig:
             raise StageError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.kv_cache not in KV_CACHES:
             raise StageError(f"kv_cache must be one of {', '.join(KV_CACHES)}; got {self.kv_cache!r}")
+        if self.kv_cache_strategy not in KV_STRATEGIES:
+            raise StageError(f"kv_cache_strategy must be one of {', '.join(KV_STRATEGIES)}; "
+                             f"got {self.kv_cache_strategy!r}")
         if self.clip not in CLIPS:
             raise StageError(f"clip must be one of {', '.join(CLIPS)}; got {self.clip!r}")
         if self.group_size is not None and self.group_size not in GROUP_SIZES:
@@ -90,9 +95,10 @@ class QuantConfig:
         """compressed-tensors' kv_cache_scheme: quantization args of K and V, dynamic per token."""
         if self.kv_cache == "none":
             return None
+        static = self.kv_cache_strategy == "channel"
         return {"num_bits": 8, "type": "int" if self.kv_cache == "int8" else "float",
-                "symmetric": self.kv_cache == "fp8", "strategy": "token", "dynamic": True,
-                "group_size": None, "observer": None}
+                "symmetric": static or self.kv_cache == "fp8", "strategy": self.kv_cache_strategy,
+                "dynamic": not static, "group_size": None, "observer": "minmax" if static else None}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

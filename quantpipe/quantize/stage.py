@@ -258,10 +258,14 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     damp_used: dict[str, float] = {}
     smoothing = None
     w8a8 = cfg.scheme == "W8A8"
-    needs_calib = cfg.method == "gptq" or cfg.scheme == "mixed" or (w8a8 and cfg.smoothquant_alpha is not None)
+    static_kv = cfg.kv_cache != "none" and cfg.kv_cache_strategy == "channel"
+    needs_calib = cfg.method == "gptq" or cfg.scheme == "mixed" or (w8a8 and cfg.smoothquant_alpha is not None) \
+        or static_kv
     samples: list[list[int]] = []
     if needs_calib:
-        what = "GPTQ" if cfg.method == "gptq" else ("mixed precision" if cfg.scheme == "mixed" else "SmoothQuant")
+        what = "GPTQ" if cfg.method == "gptq" else ("mixed precision" if cfg.scheme == "mixed" else
+                                                    "SmoothQuant" if w8a8 and cfg.smoothquant_alpha else
+                                                    "static KV cache scales")
         if calib_token_ids is not None:
             samples = [list(s)[: cfg.calib_seq_len] for s in calib_token_ids[: cfg.calib_samples]]
             calib_info = {"kind": "token_ids", "sha256": sha256_bytes(json.dumps(samples).encode())}
@@ -271,6 +275,13 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             raise StageError(f"model: {what} needs the model's tokenizer to encode the calibration texts")
         else:
             samples = _token_samples(texts, tokenizer, cfg)
+    kv_scales = None
+    if static_kv:  # on the unquantized model, before any weight is changed
+        from quantpipe.quantize.kv import static_kv_scales
+
+        kv_scales = static_kv_scales(net, samples, cfg.kv_cache)
+        phases["kv_scales_s"] = time.perf_counter() - t
+        t = time.perf_counter()
     if w8a8 and cfg.smoothquant_alpha is not None:
         smoothing = smooth(net, samples, cfg.smoothquant_alpha)
         phases["smooth_s"] = time.perf_counter() - t
@@ -336,6 +347,9 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             layers_table[hf_name] = {"scheme": sch.describe(), "shape": list(part.q.shape),
                                      "dampening": damp_used.get(name)}
             hf_names_by_scheme.setdefault(sch, []).append(hf_name)
+    for i, pair in enumerate(kv_scales or []):
+        for t_name, scale in zip(("k_scale", "v_scale"), pair):
+            state[f"model.layers.{i}.self_attn.{t_name}"] = scale.float().contiguous()
     act_args = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
                 "group_size": None, "observer": None} if w8a8 else None
 
@@ -380,7 +394,9 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             "method": cfg.method, "parameters": cfg.to_dict(),
             "group_size": scheme.group_size, "calibration": calib_info, "layers": layers_table,
             "activations": "int8 per token, dynamic" if w8a8 else None, "smoothquant": smoothing,
-            "kv_cache": None if cfg.kv_cache == "none" else f"{cfg.kv_cache} per token and KV head, dynamic",
+            "kv_cache": None if cfg.kv_cache == "none" else
+            f"{cfg.kv_cache} static per KV head and channel (calibrated)" if static_kv else
+            f"{cfg.kv_cache} per token and KV head, dynamic",
             "mixed_precision": sensitivity,
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},

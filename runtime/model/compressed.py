@@ -82,27 +82,48 @@ def validate(qcfg: dict) -> None:
                              f"supported; 'weight' is")
 
 
-def kv_cache_dtype(qcfg: dict, state: dict[str, torch.Tensor]) -> str:
-    """The runtime's KV cache format for `kv_cache_scheme` ("auto" when there is none).
+def kv_cache_format(qcfg: dict, state: dict[str, torch.Tensor], num_layers: int, kv_heads: int,
+                    head_dim: int) -> tuple[str, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+    """The runtime's KV cache format for `kv_cache_scheme`: ("auto" | "int8" | "fp8", static scales).
 
-    int8 is quantpipe's dynamic per-token-and-head scheme. An fp8 scheme is served with
-    per-token-and-head scales too: the static per-tensor `k_scale`/`v_scale` an
-    llm-compressor fp8 checkpoint carries are finer-grained here, so they are dropped.
+    Dynamic schemes (strategy `token`) get a scale per token and KV head at run time.
+    Static ones carry `self_attn.k_scale` / `v_scale` per layer: one per KV head and
+    channel (`channel`, quantpipe's), per KV head (`attn_head`) or one for the layer
+    (`tensor`, as llm-compressor writes fp8), popped from `state` per layer as
+    [KVH, 1] or [KVH, D].
     """
     kv = qcfg.get("kv_cache_scheme")
-    for k in [k for k in state if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))]:
-        state.pop(k)
     if not kv:
-        return "auto"
+        return "auto", None
     kind = (kv.get("type", "int"), kv.get("num_bits"))
-    if kind == ("int", 8):
-        if kv.get("strategy") != "token" or not kv.get("dynamic"):
-            raise ValueError(f"quantization_config.kv_cache_scheme: int8 is supported dynamic per token only "
-                             f"(strategy 'token', dynamic true), got {kv}")
-        return "int8"
-    if kind == ("float", 8):
-        return "fp8"
-    raise ValueError(f"quantization_config.kv_cache_scheme: 8-bit int or float only, got {kind[0]} {kind[1]}")
+    if kind not in (("int", 8), ("float", 8)):
+        raise ValueError(f"quantization_config.kv_cache_scheme: 8-bit int or float only, got {kind[0]} {kind[1]}")
+    name = "int8" if kind[0] == "int" else "fp8"
+    strategy = kv.get("strategy")
+    if kv.get("dynamic"):
+        if strategy != "token":
+            raise ValueError(f"quantization_config.kv_cache_scheme: a dynamic scheme must use strategy 'token' "
+                             f"(a scale per token and KV head), got {strategy!r}")
+        return name, None
+    if strategy not in ("channel", "attn_head", "tensor") or not kv.get("symmetric", True):
+        raise ValueError(f"quantization_config.kv_cache_scheme: a static scheme must be symmetric with strategy "
+                         f"'channel', 'attn_head' or 'tensor', got {strategy!r}, symmetric={kv.get('symmetric')}")
+    prefix = "model." if any(k.startswith("model.") for k in state) else ""
+    scales = []
+    for i in range(num_layers):
+        pair = []
+        for t in ("k_scale", "v_scale"):
+            key = f"{prefix}layers.{i}.self_attn.{t}"
+            s = state.pop(key, None)
+            if s is None:
+                raise ValueError(f"{key} is missing for the static kv_cache_scheme")
+            if s.numel() not in (1, kv_heads, kv_heads * head_dim) or not torch.isfinite(s).all() or (s <= 0).any():
+                raise ValueError(f"{key} must hold 1, {kv_heads} or {kv_heads * head_dim} positive scales, "
+                                 f"got shape {tuple(s.shape)}")
+            pair.append(s.float().reshape(-1, 1).expand(kv_heads, 1).clone() if s.numel() == 1 else
+                        s.float().reshape(kv_heads, -1).clone())
+        scales.append((pair[0], pair[1]))
+    return name, scales
 
 
 def read_quantized(state: dict[str, torch.Tensor], qcfg: dict, module: str) -> QuantWeight | None:

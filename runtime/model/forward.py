@@ -12,18 +12,8 @@ from __future__ import annotations
 import torch
 
 from quantpipe.runtime.model.attention import AttentionMetadata, PrefillSpan
-from quantpipe.runtime.model.kv_cache import make_kv_cache
+from quantpipe.runtime.model.kv_cache import layer_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
-
-
-def scratch_cache(model: LlamaForCausalLM, num_slots: int):
-    """One cache shared by all layers: each layer writes and reads it within its own call.
-
-    It has the model's KV format, so scoring a KV-quantized model includes the cache's rounding.
-    """
-    cfg, p = model.config, next(model.parameters())
-    return make_kv_cache(num_slots, cfg.num_kv_heads, cfg.head_dim, model.embed_tokens.weight.dtype, p.device,
-                         model.kv_cache_dtype)
 
 
 class SequencePass:
@@ -37,7 +27,6 @@ class SequencePass:
         self.meta = AttentionMetadata(slot_mapping=torch.arange(n, device=p.device), block_size=1,
                                       prefills=[PrefillSpan(0, n, n, None)])
         dtype = model.embed_tokens.weight.dtype
-        self.kv = scratch_cache(model, n)
         positions = torch.arange(n, device=p.device)
         self.cos, self.sin = model.rotary(positions, dtype)
 
@@ -45,7 +34,10 @@ class SequencePass:
         return self.model.embed_tokens(self.ids)
 
     def layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        return self.model.layers[i](x, self.cos, self.sin, self.kv, self.meta)
+        # A scratch cache per call, in the model's KV format (scoring a KV-quantized model
+        # includes the cache's rounding); the layer writes and reads it within this call.
+        kv = layer_cache(self.model, i, len(self.ids), self.ids.device)
+        return self.model.layers[i](x, self.cos, self.sin, kv, self.meta)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.norm(x)).float()
@@ -86,10 +78,9 @@ def continuation_logits(model: LlamaForCausalLM, prefix: list[int], conts: list[
         at += k
     meta = AttentionMetadata(slot_mapping=torch.arange(at, device=dev), block_size=1, prefills=spans)
     dtype = model.embed_tokens.weight.dtype
-    kv = scratch_cache(model, at)
     cos, sin = model.rotary(torch.cat(positions), dtype)
     x = model.embed_tokens(ids)
-    for layer in model.layers:
-        x = layer(x, cos, sin, kv, meta)
+    for i, layer in enumerate(model.layers):
+        x = layer(x, cos, sin, layer_cache(model, i, at, dev), meta)
     logits = model.lm_head(model.norm(x.index_select(0, torch.cat(rows)))).float()
     return list(logits.split([len(c) for c in conts]))

@@ -74,6 +74,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # static 8-bit KV: [KVH] for K and V
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]

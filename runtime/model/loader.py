@@ -109,9 +109,12 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
         state.update(load_file(f))
     qcfg = raw.get("quantization_config")
     quant = _quantized_layers(state, qcfg, cfg) if qcfg else {}
-    kv_dtype = compressed.kv_cache_dtype(qcfg, state) if qcfg else "auto"
+    kv_dtype, kv_scales = compressed.kv_cache_format(qcfg, state, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) \
+        if qcfg else ("auto", None)
     model = _build(cfg, _fuse(state, cfg), dtype, quantized=set(quant))
     model.kv_cache_dtype = kv_dtype
+    for layer, pair in zip(model.layers, kv_scales or []):
+        layer.self_attn.kv_scales = pair
     if quant:
         if cfg.tie_word_embeddings and "lm_head" in quant:
             raise ValueError("lm_head is quantized but tied to the embeddings; untie it before quantizing")

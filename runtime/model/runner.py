@@ -10,7 +10,7 @@ import torch
 
 from quantpipe.runtime.engine.scheduler import ScheduledChunk
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
-from quantpipe.runtime.model.kv_cache import bytes_per_token, make_kv_cache
+from quantpipe.runtime.model.kv_cache import bytes_per_token, layer_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
 
 
@@ -20,15 +20,13 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.kv_caches = [
-            make_kv_cache(num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, model.kv_cache_dtype)
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = [layer_cache(model, i, num_blocks * block_size, device) for i in range(cfg.num_layers)]
 
     @staticmethod
-    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                           static: bool = False) -> int:
         c = model_config
-        return block_size * bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype)
+        return block_size * bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype, static)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

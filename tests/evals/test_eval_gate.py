@@ -21,10 +21,11 @@ from quantpipe.eval.stage import evaluate
 from quantpipe.eval.suite import EvalSuite
 from quantpipe.gate import DEFAULT_POLICY, gate, resolve
 from quantpipe.manifest import StageError
+from quantpipe.quantize import QuantConfig, quantize
 from quantpipe.quantize.pack import pack_int32
 from quantpipe.runtime.model.compressed import unpack_int32
 
-# One eval of four candidates on the default model: several minutes on 2 cores.
+# One eval of six candidates on the default model: several minutes on 2 cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 DAMAGED = "metadata.task=code_complete"  # the stratum the one-stratum artifact damages
 PROJ = "model.layers.{}.mlp.down_proj"
@@ -59,6 +60,12 @@ def _scales_off(state):
     """Scales 30% too large in three layers: the rounding was right, the scale is not."""
     for i in (3, 14, 25):
         state[PROJ.format(i) + ".weight_scale"] = state[PROJ.format(i) + ".weight_scale"] * 1.3
+
+
+def _kv_scales_off(state):
+    """Every static KV scale 4x too large: the cache keeps about 5 of its 8 bits."""
+    for k in [k for k in state if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))]:
+        state[k] = state[k] * 4
 
 
 def _code_tokens(heldout: str, tokenizer) -> list[int]:
@@ -101,8 +108,12 @@ def report(tmp_path_factory, sample_set, w8a16_artifact):
         (folder / "config.json").write_text(json.dumps(cfg, indent=2))
         return str(folder)
 
+    kv = tmp / "kv-int8"  # W8A16 with a static INT8 KV cache, its scales calibrated on the sample set
+    quantize(None, QuantConfig(scheme="W8A16", kv_cache="int8", kv_cache_strategy="channel", calib_samples=32),
+             sample_set, str(kv))
     candidates = [str(w8), _variant(w8, tmp / "w2", _two_bit), _variant(w8, tmp / "scales-off", _scales_off),
-                  untie(Path(_variant(w8, tmp / "code-damaged", one_stratum)))]
+                  untie(Path(_variant(w8, tmp / "code-damaged", one_stratum))), str(kv),
+                  _variant(kv, tmp / "kv-scales-off", _kv_scales_off)]
     out = tmp / "report"
     evaluate(candidates, sample_set, str(out), suite=_suite(tmp), scope="quality")
     return out, {Path(c).name: c for c in candidates}
@@ -131,6 +142,13 @@ def test_broken_artifacts_fail(report, name):
     code, doc, rules = _verdict(report, name)
     assert code == 1 and doc["verdict"] == "fail"
     assert rules["quality.ppl_delta_pct"]["result"] == "fail" and rules["quality.kl_mean"]["result"] == "fail"
+
+
+def test_kv_int8_passes_and_fails_with_its_scales_off_by_4x(report):
+    code, doc, _ = _verdict(report, "kv-int8")
+    assert code == 0, [r for r in doc["rules"] if r["result"] != "pass"]
+    code, doc, rules = _verdict(report, "kv-scales-off")
+    assert code == 1 and rules["quality.kl_mean"]["result"] == "fail"
 
 
 def test_damage_to_one_stratum_is_caught_by_the_per_stratum_rule(report):

@@ -142,3 +142,39 @@ def test_bad_kv_cache_choices_are_refused(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="kv_cache_scheme: 8-bit int or float only, got int 4"):
         load_model(str(out), torch.float32)
+
+
+def test_static_scales_are_calibrated_stored_and_refused_when_bad(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, src = build(tmp_path, "llama-gqa-untied-llama3-rope")
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 320, (48,), generator=g).tolist() for _ in range(8)]
+    out = tmp_path / "art"
+    art = quantize(src, QuantConfig(scheme="W8A16", kv_cache="int8", kv_cache_strategy="channel"), None, str(out),
+                   calib_token_ids=ids)
+    assert "static" in art.manifest["kv_cache"] and "kv_scales_s" in art.manifest["time_s"]
+    state = load_file(out / "model.safetensors")
+    k_scale = state["model.layers.1.self_attn.k_scale"]
+    assert k_scale.shape == (2, 16) and (k_scale > 0).all()  # 2 KV heads x head_dim 16
+    model, cfg, _ = load_model(str(out), torch.float32)
+    assert torch.equal(model.layers[1].self_attn.kv_scales[0], k_scale)
+    llm = LLM(model=str(out), dtype="bfloat16", kv_cache_memory="4MiB")
+    plain = LLM(model=str(out), dtype="bfloat16", kv_cache_memory="4MiB", kv_cache_dtype="int8")
+    assert llm.engine.runner.kv_caches[0].static is not None and plain.engine.runner.kv_caches[0].static is None
+    assert llm.engine.pool.num_blocks * 16 * 2 * 2 * 2 * 16 <= 4 * 2**20  # 1 byte per value, no per-token scales
+    r = llm.generate([ids[0][:10]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(r.outputs[0].token_ids) == 5 and llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    # A static scheme with its scales missing or not positive is refused, naming the tensor.
+    state["model.layers.1.self_attn.k_scale"] = -k_scale
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.k_scale must hold 1, 2 or 32 positive"):
+        load_model(str(out), torch.float32)
+    del state["model.layers.1.self_attn.k_scale"]
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.k_scale is missing"):
+        load_model(str(out), torch.float32)
+    with pytest.raises(StageError, match="static KV cache scales needs calibration data"):
+        quantize(src, QuantConfig(scheme="W8A16", kv_cache="int8", kv_cache_strategy="channel"), None,
+                 str(tmp_path / "b"))
+    assert not (tmp_path / "b").exists()
