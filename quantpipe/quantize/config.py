@@ -14,7 +14,7 @@ from quantpipe.manifest import StageError
 from quantpipe.quantize.rtn import WeightScheme
 
 SCHEMES = ("W8A16", "W4A16", "W8A8", "mixed")
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
 GROUP_SIZES = (32, 64, 128)
 CLIPS = ("minmax", "mse")
 KV_CACHES = ("none", "int8", "fp8")
@@ -27,7 +27,7 @@ class QuantConfig:
     group_size: int | None = None  # W4A16: 128 where it divides every layer, else 64, else 32; W8: per channel
     symmetric: bool = True
     method: str = "rtn"
-    clip: str = "minmax"  # RTN's range: min-max, or the MSE-optimal shrink
+    clip: str = "minmax"  # RTN's range: min-max, or the MSE-optimal shrink (AWQ searches its own)
     dampening: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added to it
     block_size: int = 128  # GPTQ: columns per lazy-update block
     act_order: bool = False  # GPTQ: quantize columns by decreasing Hessian diagonal
@@ -57,6 +57,8 @@ class QuantConfig:
                 raise StageError(f"smoothquant_alpha must be in (0, 1), got {self.smoothquant_alpha}")
         if self.method not in METHODS:
             raise StageError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.method == "awq" and self.scheme == "W8A8":
+            raise StageError("method awq is for weight-only schemes (W8A16, W4A16, mixed); W8A8 uses SmoothQuant")
         if self.kv_cache not in KV_CACHES:
             raise StageError(f"kv_cache must be one of {', '.join(KV_CACHES)}; got {self.kv_cache!r}")
         if self.kv_cache_strategy not in KV_STRATEGIES:

@@ -161,53 +161,73 @@ def smooth(model, samples: list[list[int]], alpha: float) -> dict:
     return {"alpha": alpha, "pairs": len(pairs), "outlier_ratio_max": round(max(ratios), 2)}
 
 
-def _gptq_all(model, samples: list[list[int]], schemes: dict[str, WeightScheme | None], cfg: QuantConfig,
-              scale_dtype: torch.dtype) -> tuple[dict[str, QuantWeight], dict]:
-    """Layer by layer: Hessians from inputs that already passed the quantized earlier layers."""
+def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X / n (float32) of each Linear in `mods` of layer i, over every calibration token reaching it."""
+    hs = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in mods.items()}
+    count = {"n": 0}
+
+    def hook(name):
+        def f(module, inputs, output):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            hs[name].add_(x.t() @ x)
+        return f
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
+    with torch.inference_mode():
+        for p, x in zip(passes, xs):
+            p.layer(i, x)
+            count["n"] += x.shape[0]
+    for hnd in handles:
+        hnd.remove()
+    return {n: (2 * h / count["n"]).float() for n, h in hs.items()}
+
+
+def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme | None], cfg: QuantConfig,
+               scale_dtype: torch.dtype) -> tuple[dict[str, QuantWeight], dict, dict]:
+    """GPTQ or AWQ, layer by layer: each layer calibrates on inputs that already passed the
+    quantized layers before it, and only one layer's activations are held at a time.
+
+    Returns the quantized weights, the dampening GPTQ used per Linear, and AWQ's scale search per Linear.
+    """
     passes = [SequencePass(model, ids) for ids in samples]
     with torch.inference_mode():
         xs = [p.embed() for p in passes]
     out: dict[str, QuantWeight] = {}
     damp_used: dict[str, float] = {}
+    awq_found: dict[str, dict] = {}
     for i, layer in enumerate(model.layers):
-        mods = {f"layers.{i}.{n}": layer.get_submodule(n) for n in LINEARS if schemes.get(f"layers.{i}.{n}")}
-        hs = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in mods.items()}
-        count = {"n": 0}
+        mods = {n: layer.get_submodule(n) for n in LINEARS if schemes.get(f"layers.{i}.{n}")}
+        hs = _layer_hessians(i, mods, passes, xs)
+        if cfg.method == "awq":
+            from quantpipe.quantize import awq
 
-        def hook(name):
-            def f(module, inputs, output):
-                x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-                hs[name].add_(x.t() @ x)
-            return f
-
-        handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
-        with torch.inference_mode():
-            for p, x in zip(passes, xs):
-                p.layer(i, x)
-                count["n"] += x.shape[0]
-        for hnd in handles:
-            hnd.remove()
-        for name, mod in mods.items():
-            h = (2 * hs[name] / count["n"]).float()
-            scheme = schemes[name]
-            try:
-                q, scale, zero, used = gptq(mod.weight, h, scheme, _dampening(cfg), cfg.block_size, cfg.act_order,
-                                            scale_dtype)
-            except HessianError as e:
-                raise StageError(f"{name}: {e}") from None
+            # H/2 = X^T X / n is what AWQ's output error needs; the factor 2 does not change a search.
+            local = {n: schemes[f"layers.{i}.{n}"] for n in mods}
+            found = awq.scale_layer(layer, hs, local)
+            awq_found.update({f"layers.{i}.{n}": v for n, v in found.items()})
+        for local_name, mod in mods.items():
+            name, scheme = f"layers.{i}.{local_name}", schemes[f"layers.{i}.{local_name}"]
+            if cfg.method == "awq":
+                q, scale, zero = awq.quantize_clipped(mod.weight.float(), hs[local_name], scheme, scale_dtype)
+            else:
+                try:
+                    q, scale, zero, used = gptq(mod.weight, hs[local_name], scheme, _dampening(cfg), cfg.block_size,
+                                                cfg.act_order, scale_dtype)
+                except HessianError as e:
+                    raise StageError(f"{name}: {e}") from None
+                damp_used[name] = used
             qw = QuantWeight(q, scale, zero, scheme.num_bits, scheme.group_size)
             out[name] = qw
-            damp_used[name] = used
             with torch.no_grad():  # later layers calibrate on this layer's quantized outputs
                 mod.weight.copy_(qw.dequantize(mod.weight.dtype))
         with torch.inference_mode():
             xs = [p.layer(i, x) for p, x in zip(passes, xs)]
-        log.info("GPTQ layer %d/%d done", i + 1, len(model.layers))
+        log.info("%s layer %d/%d done", cfg.method.upper(), i + 1, len(model.layers))
     if schemes.get("lm_head"):
         sch = schemes["lm_head"]
         qw = rtn(model.lm_head.weight, sch)
         out["lm_head"] = QuantWeight(qw[0], qw[1].to(scale_dtype).float(), qw[2], sch.num_bits, sch.group_size)
-    return out, damp_used
+    return out, damp_used, awq_found
 
 
 # Test-only: overrides GPTQ's dampening past its validation, to stand in for a code
@@ -259,11 +279,12 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     smoothing = None
     w8a8 = cfg.scheme == "W8A8"
     static_kv = cfg.kv_cache != "none" and cfg.kv_cache_strategy == "channel"
-    needs_calib = cfg.method == "gptq" or cfg.scheme == "mixed" or (w8a8 and cfg.smoothquant_alpha is not None) \
+    awq_found: dict[str, dict] = {}
+    needs_calib = cfg.method in ("gptq", "awq") or cfg.scheme == "mixed" or (w8a8 and cfg.smoothquant_alpha is not None) \
         or static_kv
     samples: list[list[int]] = []
     if needs_calib:
-        what = "GPTQ" if cfg.method == "gptq" else ("mixed precision" if cfg.scheme == "mixed" else
+        what = cfg.method.upper() if cfg.method in ("gptq", "awq") else ("mixed precision" if cfg.scheme == "mixed" else
                                                     "SmoothQuant" if w8a8 and cfg.smoothquant_alpha else
                                                     "static KV cache scales")
         if calib_token_ids is not None:
@@ -302,14 +323,14 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
                        "chosen": {n: (s.describe() if s else "bf16") for n, s in scheme_map.items()}}
         phases["sensitivity_s"] = time.perf_counter() - t
         t = time.perf_counter()
-    if cfg.method == "gptq":
+    if cfg.method in ("gptq", "awq"):
         need = 2 * max(in_features)
         got = sum(map(len, samples))
         if got < need:
-            raise StageError(f"--calib {calib}: {got} calibration tokens; GPTQ needs at least {need} "
+            raise StageError(f"--calib {calib}: {got} calibration tokens; {cfg.method.upper()} needs at least {need} "
                              f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
         calib_info["samples"], calib_info["tokens"] = len(samples), got
-        quantized, damp_used = _gptq_all(net, samples, scheme_map, cfg, scale_dtype)
+        quantized, damp_used, awq_found = _layerwise(net, samples, scheme_map, cfg, scale_dtype)
     else:
         quantized = {}
         for n in names:
@@ -346,6 +367,8 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
                 state[hf_name + ".weight_zero_point"] = pack_int32(part.zero.to(torch.int8), sch.num_bits, dim=0)
             layers_table[hf_name] = {"scheme": sch.describe(), "shape": list(part.q.shape),
                                      "dampening": damp_used.get(name)}
+            if name in awq_found:
+                layers_table[hf_name]["awq"] = awq_found[name]
             hf_names_by_scheme.setdefault(sch, []).append(hf_name)
     for i, pair in enumerate(kv_scales or []):
         for t_name, scale in zip(("k_scale", "v_scale"), pair):
