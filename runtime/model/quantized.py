@@ -130,9 +130,13 @@ class W8A8Linear(nn.Module):
 
 
 def quantize_per_token(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row quantization: (integer values as float, scale [rows, 1])."""
+    """Symmetric per-row quantization: (integer values as float, scale [rows, 1]).
+
+    compressed-tensors' grid, which llm-compressor's W8A8 checkpoints are calibrated for:
+    the scale maps max|x| to half the integer range (127.5 for int8), values clamp to [-128, 127].
+    """
     q_max = (1 << (bits - 1)) - 1
-    scale = (x.abs().amax(-1, keepdim=True) / q_max).clamp(min=1e-10)
+    scale = (x.abs().amax(-1, keepdim=True) / (q_max + 0.5)).clamp(min=1e-10)
     return torch.round(x / scale).clamp(-q_max - 1, q_max), scale
 
 
