@@ -48,6 +48,53 @@ def _ci_bars(strata: dict, key: str, title: str) -> str:
     return "".join(out)
 
 
+def _cdf(curves: dict[str, list[float]], title: str) -> str:
+    """Empirical CDFs as step lines (baseline grey, candidate blue), x in seconds."""
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
+        return ""
+    hi = max(max(v) for v in curves.values()) or 1.0
+    w, h, left = 420, 140, 40
+    x = lambda v: left + w * v / hi  # noqa: E731
+    y = lambda p: 10 + h * (1 - p)  # noqa: E731
+    colors = {"baseline": "#888", "candidate": "#1f77b4"}
+    out = [f'<svg class="plot" xmlns="http://www.w3.org/2000/svg" width="{left + w + 130}" height="{h + 40}">'
+           f'<title>{html.escape(title)}</title>'
+           f'<line x1="{left}" y1="{y(0)}" x2="{left + w}" y2="{y(0)}" stroke="#999"/>'
+           f'<text x="{left}" y="{h + 30}" font-size="10">0</text>'
+           f'<text x="{left + w}" y="{h + 30}" font-size="10" text-anchor="end">{hi:.3g} s</text>'
+           f'<text x="{left + w / 2}" y="{h + 30}" font-size="11" text-anchor="middle">{html.escape(title)}</text>']
+    for i, (side, values) in enumerate(curves.items()):
+        vs = sorted(values)
+        pts = [f"{x(0):.1f},{y(0):.1f}"]
+        for j, v in enumerate(vs):
+            pts += [f"{x(v):.1f},{y(j / len(vs)):.1f}", f"{x(v):.1f},{y((j + 1) / len(vs)):.1f}"]
+        out.append(f'<polyline fill="none" stroke="{colors.get(side, "#d62728")}" stroke-width="1.5" '
+                   f'points="{" ".join(pts)}"/>'
+                   f'<text x="{left + w + 8}" y="{20 + 14 * i}" font-size="10" fill="{colors.get(side, "#d62728")}">'
+                   f'{html.escape(side)} (n={len(vs)})</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _latency(lat: dict, label: str) -> list[str]:
+    """Ratio table, per-run table and TTFT / TPOT CDFs (pooled over repeats) of one load shape."""
+    keys = [k for k in lat if k.endswith("_ratio") and lat[k]]
+    lrows = [[k, f"{lat[k]['point']:.3f}", f"{lat[k]['min']:.3f}-{lat[k]['max']:.3f}", lat[k]["repeats"]]
+             for k in keys]
+    runs = [[side, i + 1] + [f"{run[k]:.3f}" if isinstance(run.get(k), float) else run.get(k)
+                             for k in ("ttft_p50_s", "tpot_p50_s", "e2e_p99_s", "output_tokens_per_s")]
+            for side in ("baseline", "candidate") for i, run in enumerate(lat[f"{side}_runs"])]
+    parts = [f"<h3>Latency and memory, candidate / baseline: {html.escape(label)}</h3>"
+             + _table(lrows, ["ratio", "median", "range over repeats", "repeats"]),
+             _table(runs, ["model", "repeat", "TTFT P50 s", "TPOT P50 s", "e2e P99 s", "output tok/s"])]
+    for metric, title in (("ttft", "TTFT CDF"), ("tpot", "TPOT CDF")):
+        curves = {side: [v for run in lat[f"{side}_runs"] for v in (run.get("samples") or {}).get(metric, [])]
+                  for side in ("baseline", "candidate")}
+        parts.append(_cdf(curves, f"{title}, {label}"))
+    return parts
+
+
 def _histogram(hist: dict) -> str:
     counts, edges = hist["counts"], hist["edges"]
     total = sum(counts) or 1
@@ -102,15 +149,10 @@ def report_html(report: dict) -> str:
                          + _table(mrows, ["task", "baseline", "candidate", "drop (points)", "items"]))
         lat = c.get("latency")
         if lat:
-            keys = [k for k in lat if k.endswith("_ratio") and lat[k]]
-            lrows = [[k, f"{lat[k]['point']:.3f}", f"{lat[k]['min']:.3f}-{lat[k]['max']:.3f}", lat[k]["repeats"]]
-                     for k in keys]
-            parts.append("<h3>Latency and memory, candidate / baseline</h3>"
-                         + _table(lrows, ["ratio", "median", "range over repeats", "repeats"]))
-            runs = [[side, i + 1] + [f"{run[k]:.3f}" if isinstance(run.get(k), float) else run.get(k)
-                                     for k in ("ttft_p50_s", "tpot_p50_s", "e2e_p99_s", "output_tokens_per_s")]
-                    for side in ("baseline", "candidate") for i, run in enumerate(lat[f"{side}_runs"])]
-            parts.append(_table(runs, ["model", "repeat", "TTFT P50 s", "TPOT P50 s", "e2e P99 s", "output tok/s"]))
+            workload = lat.get("workload") or {}
+            parts += _latency(lat, f"closed loop, {workload.get('concurrency')} in flight")
+            if lat.get("at_rate"):
+                parts += _latency(lat["at_rate"], f"open loop, {lat['at_rate']['rate_rps']:g} requests/s")
     style = ("body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
              "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}.plot{display:block;margin:1em 0}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>quantpipe eval</title>"

@@ -7,6 +7,11 @@ exact). Load never overlaps: every server is up (idle ones take no CPU) but only
 is driven at a time, and the order alternates per repeat (A B B A ...) so a machine that
 slows down over the run does not favour one side. Ratios are candidate / baseline within a repeat;
 the report gives their median and spread over repeats.
+
+Two load shapes: a closed loop at a fixed concurrency (always), and, when the suite sets
+`rate`, an open loop at that fixed request rate (arrivals evenly spaced, the same for
+both sides), reported under `at_rate`. Every run keeps its per-request TTFT and TPOT
+values, so the report can draw their distributions.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import statistics
+from dataclasses import replace
 
 from quantpipe.evals.generation import prompts_from
 from quantpipe.manifest import StageError
@@ -45,7 +51,13 @@ def workload(rows: list[dict], tokenizer, n: int, max_output_tokens: int, max_mo
     return reqs
 
 
-async def _drive(url: str, reqs: list[Request], concurrency: int) -> dict:
+def at_rate(reqs: list[Request], rate: float) -> list[Request]:
+    """The same requests, the i-th due i / rate seconds after the start."""
+    return [replace(r, spec=replace(r.spec, arrival_s=i / rate)) for i, r in enumerate(reqs)]
+
+
+async def _drive(url: str, reqs: list[Request], concurrency: int | None = None, rate: float | None = None) -> dict:
+    """One run: a closed loop at `concurrency`, or (with `rate`) an open loop at that request rate."""
     runner = Runner(Target(url, send_token_ids=True, ignore_eos=True, timeout_s=600))
     await runner.preflight()
     await runner.closed_loop(reqs[:2], 2, stage="warmup")
@@ -53,7 +65,7 @@ async def _drive(url: str, reqs: list[Request], concurrency: int) -> dict:
     scraper.start()
     t0 = runner.now()
     try:
-        recs = await runner.closed_loop(reqs, concurrency)
+        recs = await (runner.open_loop(at_rate(reqs, rate)) if rate else runner.closed_loop(reqs, concurrency))
     finally:
         t1 = runner.now()
         await scraper.stop()
@@ -72,8 +84,11 @@ async def _drive(url: str, reqs: list[Request], concurrency: int) -> dict:
     kv = [v["kv_cache_usage_perc"] for v in window if "kv_cache_usage_perc" in v]
     out["peak_rss_bytes"] = max(rss) if rss else None
     out["peak_kv_cache_usage"] = max(kv) if kv else None
+    out["samples"] = {m: sorted(round(float(v), 5) for v in metric_values(recs, m)) for m in SAMPLED}
     return out
 
+
+SAMPLED = ("ttft", "tpot")  # per-request values kept with each run, for the report's CDFs
 
 # run key -> ratio key in the report (what gate policies name)
 RATIOS = {**{k: k.removesuffix("_s") + "_ratio" for k, *_ in LATENCY_KEYS},
@@ -89,7 +104,10 @@ def latency_ab(baseline: str | None, candidates: list[str], rows: list[dict], cf
     dtype = str(resolve_dtype("auto", resolve_device("auto"))).removeprefix("torch.")  # what `serve` picks here
     reqs = workload(rows, tokenizer, cfg["requests"], cfg["max_output_tokens"], max_model_len)
     models = [baseline] + list(candidates)
-    runs: list[list[dict]] = [[] for _ in models]
+    shapes = {"concurrency": {"concurrency": cfg["concurrency"]}}
+    if cfg.get("rate"):
+        shapes["rate"] = {"rate": float(cfg["rate"])}
+    runs: dict[str, list[list[dict]]] = {shape: [[] for _ in models] for shape in shapes}
     with contextlib.ExitStack() as stack:
         # Every model's server is started once, one after another, and stays up: an idle
         # server takes no CPU (measured: 0.1% of a core), and the repeats cost no restarts.
@@ -103,20 +121,30 @@ def latency_ab(baseline: str | None, candidates: list[str], rows: list[dict], cf
         for r in range(cfg["repeats"]):
             order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
             for i in order:
-                log.info("latency: repeat %d/%d, %s", r + 1, cfg["repeats"], models[i] or "baseline")
-                runs[i].append(asyncio.run(_drive(servers[i].url, reqs, cfg["concurrency"])))
+                for shape, kw in shapes.items():
+                    log.info("latency: repeat %d/%d, %s, fixed %s", r + 1, cfg["repeats"], models[i] or "baseline",
+                             shape)
+                    runs[shape][i].append(asyncio.run(_drive(servers[i].url, reqs, **kw)))
     sections = []
+    workload_info = {"requests": len(reqs), "prompt_tokens": sum(q.spec.prompt_tokens for q in reqs),
+                     "output_tokens": sum(q.spec.output_tokens for q in reqs)}
     for j in range(1, len(models)):
-        ratios = {}
-        for key, name in RATIOS.items():
-            per = [c[key] / b[key] for b, c in zip(runs[0], runs[j]) if b.get(key) and c.get(key) is not None]
-            ratios[name] = (
-                {"point": statistics.median(per), "min": min(per), "max": max(per), "repeats": len(per)}
-                if per else None)
-        errors = max(run["error_rate"] for run in runs[j])
-        sections.append({"baseline_runs": runs[0], "candidate_runs": runs[j], "error_rate": errors, "dtype": dtype,
-                         "workload": {"requests": len(reqs), "concurrency": cfg["concurrency"],
-                                      "prompt_tokens": sum(q.spec.prompt_tokens for q in reqs),
-                                      "output_tokens": sum(q.spec.output_tokens for q in reqs)},
-                         **ratios})
+        closed = _compare(runs["concurrency"][0], runs["concurrency"][j])
+        section = {**closed, "dtype": dtype, "workload": {**workload_info, "concurrency": cfg["concurrency"]}}
+        if "rate" in shapes:
+            section["at_rate"] = {**_compare(runs["rate"][0], runs["rate"][j]), "rate_rps": shapes["rate"]["rate"]}
+            section["error_rate"] = max(section["error_rate"], section["at_rate"]["error_rate"])
+        sections.append(section)
     return {"candidates": sections}
+
+
+def _compare(base_runs: list[dict], cand_runs: list[dict]) -> dict:
+    """Per-repeat ratios candidate / baseline: their median, min and max, with the runs themselves."""
+    ratios = {}
+    for key, name in RATIOS.items():
+        per = [c[key] / b[key] for b, c in zip(base_runs, cand_runs) if b.get(key) and c.get(key) is not None]
+        ratios[name] = (
+            {"point": statistics.median(per), "min": min(per), "max": max(per), "repeats": len(per)}
+            if per else None)
+    return {"baseline_runs": base_runs, "candidate_runs": cand_runs,
+            "error_rate": max(run["error_rate"] for run in cand_runs), **ratios}

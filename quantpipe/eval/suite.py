@@ -15,7 +15,7 @@ _DEFAULTS = {
     "quality": {"max_texts": 256, "max_tokens": 512, "bootstrap": 1000, "seed": 0},
     "generation": {"prompts": 64, "max_tokens": 32},
     "mc": {"tasks": [], "limit": 200},
-    "latency": {"repeats": 2, "requests": 32, "concurrency": 8, "max_output_tokens": 64},
+    "latency": {"repeats": 2, "requests": 32, "concurrency": 8, "max_output_tokens": 64, "rate": None},
 }
 _LIMITS = {  # (section, key): (smallest, largest)
     ("quality", "max_texts"): (1, 100_000), ("quality", "max_tokens"): (2, 8192),
@@ -59,6 +59,9 @@ class EvalSuite:
             v = getattr(self, section)[key]
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise StageError(f"suite {section}.{key} must be an integer in [{lo}, {hi}]; got {v!r}")
+        rate = self.latency["rate"]
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1000):
+            raise StageError(f"suite latency.rate must be requests per second in (0, 1000], or null; got {rate!r}")
         tasks = self.mc["tasks"]
         if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
             raise StageError(f"suite mc.tasks must be a list of task names; got {tasks!r}")
