@@ -168,10 +168,10 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs) -> dic
 
     def hook(name):
         def f(module, inputs, output):
-            # One sequence's X^T X in float32 (at most a few hundred products per entry),
-            # summed over sequences in float64: 2-3x faster than a float64 matmul on CPU.
-            x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
-            hs[name].add_((x.t() @ x).double())
+            # float64 throughout: float32 products per sequence (2x faster) lowered GPTQ's
+            # top-1 agreement by 0.7 points on the CI gate's W4A16 candidate, past its tolerance.
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            hs[name].add_(x.t() @ x)
         return f
 
     handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
