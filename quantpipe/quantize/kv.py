@@ -25,9 +25,9 @@ class _AmaxRecorder(KVCache):
         self.amax = amax
 
     def write(self, slots, k, v):
-        super().write(slots, k, v)
         for i, x in enumerate((k, v)):
             torch.maximum(self.amax[i], x.detach().abs().float().amax(dim=0), out=self.amax[i])
+        return super().write(slots, k, v)
 
 
 @torch.inference_mode()
@@ -39,7 +39,6 @@ def static_kv_scales(model, samples: list[list[int]], kind: str) -> list[tuple[t
     for ids in samples:
         run = SequencePass(model, ids)
         x = run.embed()
-        for i, layer in enumerate(model.layers):
-            rec = _AmaxRecorder(amax[i], len(ids), cfg.num_kv_heads, cfg.head_dim, dtype, x.device)
-            x = layer(x, run.cos, run.sin, rec, run.meta)
+        for i in range(len(model.layers)):
+            x = run.layer(i, x, _AmaxRecorder(amax[i], len(ids), cfg.num_kv_heads, cfg.head_dim, dtype, x.device))
     return [tuple((a / GRID_MAX[kind]).clamp_min(1e-6) for a in pair) for pair in amax]

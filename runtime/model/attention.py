@@ -52,7 +52,7 @@ def paged_attention(
     cache: KVCache | QuantizedKVCache,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    cache.write(meta.slot_mapping, k, v)
+    k, v = cache.write(meta.slot_mapping, k, v)  # as a read returns them: 8-bit caches round them
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for g in meta.decodes:
@@ -66,7 +66,7 @@ def paged_attention(
         # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel.
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.block_table is None:
-            kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in cache.fresh(k[rows], v[rows]))
+            kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
         else:
             kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in cache.gather(span.block_table, meta.block_size))

@@ -33,10 +33,11 @@ class SequencePass:
     def embed(self) -> torch.Tensor:
         return self.model.embed_tokens(self.ids)
 
-    def layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def layer(self, i: int, x: torch.Tensor, kv=None) -> torch.Tensor:
         # A scratch cache per call, in the model's KV format (scoring a KV-quantized model
-        # includes the cache's rounding); the layer writes and reads it within this call.
-        kv = layer_cache(self.model, i, len(self.ids), self.ids.device)
+        # includes the cache's rounding) unless `kv` is given; the layer writes and reads it
+        # within this call.
+        kv = kv if kv is not None else layer_cache(self.model, i, len(self.ids), self.ids.device)
         return self.model.layers[i](x, self.cos, self.sin, kv, self.meta)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 A cache holds one layer's slots `[num_slots, kv_heads, head_dim]` (slot = block_id *
 block_size + offset). Attention writes each new token's K/V into its slot and reads
 whole blocks back through a block table, so the storage format is invisible to it:
-`write`, `gather` and `fresh` are the whole interface.
+`write` (which returns the K/V as a read will see them) and `gather` are the whole interface.
 
 - `auto`: the model dtype, stored as computed.
 - `int8`: asymmetric, x = (q + 128) * scale + zero, one fp16 scale and zero per token
@@ -14,7 +14,7 @@ whole blocks back through a block table, so the storage format is invisible to i
   the tokens of bf16) and nothing is computed per token.
 
 Quantized caches are written on store and dequantized on read; the keys a prefill
-chunk computes itself are passed through the same round trip (`fresh`), so every key
+chunk computes itself are taken as `write` returns them, so every key
 attention sees went through the cache format whether or not it was chunked, and
 teacher-forced scoring measures exactly what serving computes. One caveat: float32 K/V
 differ in their last bits between batch shapes, and rounding to 8 bits can turn that
@@ -60,12 +60,10 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store K/V into `slots`; returns them as a read will (here: unchanged, no copy)."""
         self.k.index_copy_(0, slots, k)
         self.v.index_copy_(0, slots, v)
-
-    def fresh(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Just-written K/V as a read would return them."""
         return k, v
 
     def gather(self, block_table: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +119,9 @@ class QuantizedKVCache:
             x = q.view(torch.float8_e4m3fn).float() * scale.float()[..., None]
         return x.to(self.dtype)
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize and store K/V into `slots`; returns them dequantized, as a read will."""
+        seen = []
         for i, x in enumerate((k, v)):
             q, scale, zero = self._quantize(x, i)
             self.q[i].index_copy_(0, slots, q)
@@ -129,9 +129,8 @@ class QuantizedKVCache:
                 self.scale[i].index_copy_(0, slots, scale)
             if zero is not None:
                 self.zero[i].index_copy_(0, slots, zero)
-
-    def fresh(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(self._dequantize(*self._quantize(x, i), i) for i, x in enumerate((k, v)))
+            seen.append(self._dequantize(q, scale, zero, i))
+        return seen[0], seen[1]
 
     def gather(self, block_table: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
