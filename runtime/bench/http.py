@@ -148,9 +148,9 @@ class HTTPClient:
 
     async def _connect(self) -> _Conn:
         try:
-            r, w = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, ssl=self._ssl, limit=1 << 20), self.connect_timeout)
-        except (OSError, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(self.connect_timeout):
+                r, w = await asyncio.open_connection(self.host, self.port, ssl=self._ssl, limit=1 << 20)
+        except (OSError, TimeoutError) as e:
             raise HTTPError(f"cannot connect to {self.host}:{self.port}: {e or type(e).__name__}") from None
         return _Conn(r, w)
 

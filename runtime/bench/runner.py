@@ -62,9 +62,10 @@ class Runner:
     async def preflight(self) -> str:
         """Check the server answers and pick the model; raises BenchError with a clear message."""
         try:
-            resp = await asyncio.wait_for(self.client.get("/v1/models"), 10)
-            body = await asyncio.wait_for(resp.read(), 10)
-        except (HTTPError, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(10):
+                resp = await self.client.get("/v1/models")
+                body = await resp.read()
+        except (HTTPError, TimeoutError) as e:
             raise BenchError(f"server at {self.target.base_url} is unreachable: {e or 'timeout'}") from None
         if resp.status != 200:
             raise BenchError(f"server at {self.target.base_url} answered GET /v1/models with HTTP {resp.status}")

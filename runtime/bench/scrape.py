@@ -50,11 +50,16 @@ class Scraper:
         self.series: list[tuple[float, dict[str, float]]] = []
         self.available: bool | None = None  # None until the first scrape answered
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     async def scrape_once(self) -> None:
         try:
-            resp = await asyncio.wait_for(self.client.get("/metrics"), 2.0)
-            body = await asyncio.wait_for(resp.read(), 2.0)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow the
+            # cancellation stop() sends when the scrape completes at that moment, and the
+            # loop then polls forever (it hung a latency A/B once).
+            async with asyncio.timeout(2.0):
+                resp = await self.client.get("/metrics")
+                body = await resp.read()
             if resp.status != 200:
                 self.available = self.available or False
                 return
@@ -66,7 +71,7 @@ class Scraper:
             self.available = self.available or False
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             await self.scrape_once()
             await asyncio.sleep(self.interval_s)
 
@@ -74,6 +79,7 @@ class Scraper:
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
+        self._stopping = True  # ends the loop even if a cancellation were lost
         if self._task:
             self._task.cancel()
             try:

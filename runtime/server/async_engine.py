@@ -59,7 +59,10 @@ class RequestStream:
 
     async def next(self, timeout: float | None = None) -> RequestOutput:
         """The newest output once at least one new one arrived; raises TimeoutError or EngineError."""
-        item = await asyncio.wait_for(self._queue.get(), timeout) if timeout is not None else await self._queue.get()
+        # asyncio.timeout rather than wait_for, which on 3.11 can swallow a cancellation
+        # (a client that disconnects) arriving as the item does.
+        async with asyncio.timeout(timeout):
+            item = await self._queue.get()
         # Coalesce: cumulative outputs make older ones redundant; an error ends the stream.
         while not isinstance(item, Exception) and not self._queue.empty():
             item = self._queue.get_nowait()
