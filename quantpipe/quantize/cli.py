@@ -24,6 +24,10 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, 
 @click.option("--quantize-lm-head", is_flag=True, help="also quantize lm_head (untied models only)")
 @click.option("--bits-budget", type=float, default=None,
               help="mixed: average bits per quantized weight, scales included (>= 4.25)")
+@click.option("--sensitivity-samples", type=int, default=4, show_default=True,
+              help="mixed: calibration sequences each layer's sensitivity (KL) is measured on")
+@click.option("--sensitivity-tokens", type=int, default=128, show_default=True,
+              help="mixed: tokens of each of those sequences")
 @click.option("--smoothquant-alpha", type=float, default=0.5, show_default=True,
               help="W8A8: SmoothQuant migration strength (0 < alpha < 1)")
 @click.option("--no-smoothquant", is_flag=True, help="W8A8 without SmoothQuant")

@@ -319,7 +319,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
 
         group = scheme.group_size
         cands = mixed.candidates(group)
-        sens = mixed.sensitivities(net, names, [c for c in cands if c], samples[: cfg.sensitivity_samples])
+        sens = mixed.sensitivities(net, names, [c for c in cands if c], [s[: cfg.sensitivity_tokens] for s in samples[: cfg.sensitivity_samples]])
         params = {n: net.get_submodule(n).weight.numel() for n in names}
         inf = {n: k for n, k in zip(names, in_features)}
         scheme_map = mixed.assign(params, inf, sens, cands, cfg.bits_budget)
@@ -433,6 +433,6 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         }
         manifest["artifact_sha256"] = artifact_sha256(tmp)
         write_json(tmp / "quantpipe.json", manifest)
-    log.info("quantized %d linears (%s, %s) into %s in %.1fs", len(layers_table), scheme.describe(), cfg.method,
+    log.info("quantized %d linears (%s, %s) into %s in %.1fs", len(layers_table), manifest["weights"], cfg.method,
              out, time.perf_counter() - t_start)
     return Artifact(Path(out), manifest)

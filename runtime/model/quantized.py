@@ -23,11 +23,18 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger("quantpipe.runtime")
 
 INT4_GROUPS = (32, 64, 128, 256)
+# torch's CPU int8 kernel is a matrix-vector product at heart: against bf16 F.linear on the
+# default model's shapes it ran 2.3-3x faster at 1 row, about even at 8, and 3-4x slower
+# from 128 rows (a prefill chunk). Past this many rows (where the two paths cost the same)
+# the int8 weights are converted to the activation dtype and go through the dense GEMM:
+# 1.1-1.2x bf16's time at 512 rows (benchmarks/bench_int_kernels.py, BENCHMARKS.md).
+INT8PACK_MAX_ROWS = 16
 
 
 @dataclass
@@ -75,7 +82,11 @@ class Int8PackLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight_int8, self.scales.to(x.dtype))
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] <= INT8PACK_MAX_ROWS:
+            y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x.dtype))
+        else:  # prefill-sized: the dense GEMM on the integer values (exact in bf16), scaled per output
+            y = F.linear(x2, self.weight_int8.to(x.dtype)) * self.scales.to(x.dtype)
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

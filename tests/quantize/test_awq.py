@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantpipe.quantize import QuantConfig, quantize
-from quantpipe.quantize import awq
+from quantpipe.quantize import QuantConfig, awq, quantize
 from quantpipe.quantize.rtn import WeightScheme
 from quantpipe.runtime.model.forward import sequence_logits
 from quantpipe.runtime.model.loader import load_model

@@ -136,3 +136,23 @@ def test_gptq_retries_dampening_on_a_singular_hessian():
     h[1, 1] = -0.05  # not positive definite at 1% dampening (of the mean diagonal, ~0.97)
     q, scale, _, used = gptq(torch.randn(8, 64), h, WeightScheme(8, None, True), dampening=0.01)
     assert used > 0.01 and q.shape == (8, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype):
+    """Up to INT8PACK_MAX_ROWS rows torch's int8 kernel runs, past it the dense GEMM on the
+    integer values: both compute x @ dequantized.T (bf16 within its rounding)."""
+    from quantpipe.runtime.model.quantized import INT8PACK_MAX_ROWS, Int8PackLinear
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8)
+    qw = QuantWeight(q, torch.rand(96, 1, generator=g) / 50 + 1e-3, None, 8, None)
+    lin = Int8PackLinear(qw, None, dtype)
+    w = qw.dequantize(torch.float32)
+    for rows in (1, INT8PACK_MAX_ROWS, INT8PACK_MAX_ROWS + 1, 128):
+        x = torch.randn(2, rows, 64, generator=g)
+        got = lin(x.to(dtype)).float()
+        ref = x.to(dtype).float() @ w.t()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert got.shape == (2, rows, 96)
+        assert torch.allclose(got, ref, atol=tol * ref.abs().max(), rtol=tol), (rows, (got - ref).abs().max())

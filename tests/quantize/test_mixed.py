@@ -3,6 +3,7 @@ exactly the KL of a whole forward pass with that one layer quantized."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -41,3 +42,12 @@ def test_sensitivity_equals_a_whole_forward_pass_per_layer(tmp_path):
                 mod.weight.copy_(original)
             assert abs(got[name][sch.describe()] - kl) <= 1e-9 + 1e-6 * kl, (name, sch, got[name], kl)
         assert got[name]["W4 g32 sym"] > got[name]["W8 channel sym"] > 0
+
+
+@pytest.mark.parametrize("name", ["sensitivity_samples", "sensitivity_tokens"])
+def test_sensitivity_sizes_must_be_positive(name):
+    from quantpipe.manifest import StageError
+    from quantpipe.quantize import QuantConfig
+
+    with pytest.raises(StageError, match=f"{name} must be at least 1, got 0"):
+        QuantConfig(scheme="mixed", bits_budget=5, **{name: 0})
