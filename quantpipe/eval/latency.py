@@ -88,6 +88,11 @@ async def _drive(url: str, reqs: list[Request], concurrency: int | None = None, 
     return out
 
 
+# Every server gets the same KV cache bytes: by default a server takes a share of the memory
+# free when it starts, so servers started later (with the others already up) would get
+# smaller caches, and preempt sooner, than the first. 1 GiB holds ~45k bf16 tokens of the
+# default model, far more than `concurrency` requests in flight need.
+KV_CACHE_MEMORY = "1GiB"
 SAMPLED = ("ttft", "tpot")  # per-request values kept with each run, for the report's CDFs
 
 # run key -> ratio key in the report (what gate policies name)
@@ -115,7 +120,7 @@ def latency_ab(baseline: str | None, candidates: list[str], rows: list[dict], cf
         for m in models:
             log.info("latency: starting the server for %s", m or "baseline")
             try:
-                servers.append(stack.enter_context(Served(m, max_model_len)))
+                servers.append(stack.enter_context(Served(m, max_model_len, ["--kv-cache-memory", KV_CACHE_MEMORY])))
             except ServerStartError as e:
                 raise StageError(f"latency: {e}") from None
         for r in range(cfg["repeats"]):
