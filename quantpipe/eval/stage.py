@@ -165,10 +165,10 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
                 entry["mc"] = mc.summarize(merged, "baseline", "candidate")
         del base_model, cand_models, cand_model, all_scores, scores, mc_base
         phases["quality_s"] = time.perf_counter() - t
-    _release_memory()  # the latency servers need it: scoring 9 candidates left this process at 17 GB
     if scope in ("full", "latency"):
         from quantpipe.eval.latency import latency_ab
 
+        _release_memory()  # the servers need it: scoring 9 candidates left this process at 17 GB
         t = time.perf_counter()
         lat = latency_ab(baseline, candidates, rows, suite.latency)
         for entry, section in zip(entries, lat["candidates"]):

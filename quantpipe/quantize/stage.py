@@ -319,7 +319,8 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
 
         group = scheme.group_size
         cands = mixed.candidates(group)
-        sens = mixed.sensitivities(net, names, [c for c in cands if c], [s[: cfg.sensitivity_tokens] for s in samples[: cfg.sensitivity_samples]])
+        probe = [s[: cfg.sensitivity_tokens] for s in samples[: cfg.sensitivity_samples]]
+        sens = mixed.sensitivities(net, names, [c for c in cands if c], probe)
         params = {n: net.get_submodule(n).weight.numel() for n in names}
         inf = {n: k for n, k in zip(names, in_features)}
         scheme_map = mixed.assign(params, inf, sens, cands, cfg.bits_budget)
