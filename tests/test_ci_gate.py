@@ -19,9 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "evals" / "baselines" / "ci.yaml"
 
 
+def _pinned_cpu() -> dict:
+    """scripts/ci-gate.env: the CPU code paths the references were recorded with."""
+    lines = (ROOT / "scripts" / "ci-gate.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
 def _env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != FORCE_DAMPENING_ENV}
-    return dict(env, TOKENIZERS_PARALLELISM="false", **extra)
+    return dict(env, TOKENIZERS_PARALLELISM="false", **_pinned_cpu(), **extra)
 
 
 def _quantpipe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

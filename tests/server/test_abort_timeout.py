@@ -20,7 +20,15 @@ def server(start_server):
                         "--drain-timeout", "0.5")
 
 
-def test_stream_disconnect_frees_blocks(server):
+@pytest.fixture(scope="module")
+def no_timeout_server(start_server):
+    """For the disconnect tests: on a loaded machine a 2 s request timeout could free the
+    blocks before the test looks, and the test would not be measuring a disconnect."""
+    return start_server("--max-model-len", "2048", "--kv-cache-memory", "128MiB")
+
+
+def test_stream_disconnect_frees_blocks(no_timeout_server):
+    server = no_timeout_server
     before = metric(server.url, "quantpipe:request_aborted_total")
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}) as r:
@@ -37,7 +45,8 @@ def test_stream_disconnect_frees_blocks(server):
     assert metric(server.url, "quantpipe:num_requests_running") == 0
 
 
-def test_non_stream_disconnect_frees_blocks(server):
+def test_non_stream_disconnect_frees_blocks(no_timeout_server):
+    server = no_timeout_server
     before = metric(server.url, "quantpipe:request_aborted_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.8))
