@@ -15,11 +15,14 @@ candidate is promoted to champion; too little traffic to judge promotes nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import random
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,8 +338,10 @@ def run_canary(name: str, registry_uri: str, fraction: float, duration_s: float,
     if versions["champion"] == versions["candidate"]:
         raise StageError(f"model {name!r}: champion and candidate are both version {versions['champion']}")
     folders = {s: resolve_model_uri(f"models:/{name}/{v}", registry_uri) for s, v in versions.items()}
+    # uvicorn shuts the router down on SIGTERM and then raises the signal again; as an
+    # exception it unwinds the servers' context managers instead of killing the process.
     try:
-        with Served(folders["champion"], extra_args=server_args) as champ, \
+        with _sigterm_as_exit(), Served(folders["champion"], extra_args=server_args) as champ, \
                 Served(folders["candidate"], extra_args=server_args) as cand:
             urls = {"champion": champ.url, "candidate": cand.url}
             ids = {s: httpx.get(u + "/v1/models", timeout=10).json()["data"][0]["id"] for s, u in urls.items()}
@@ -351,6 +356,22 @@ def run_canary(name: str, registry_uri: str, fraction: float, duration_s: float,
     if not outcome:
         raise StageError("the canary was stopped before its window ended: no decision, nothing changed")
     return {"name": name, **{f"{s}_version": int(v) for s, v in versions.items()}, **outcome}
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 async def _serve(canary: Canary, client, name: str, version: str, registry_uri: str, duration_s: float,

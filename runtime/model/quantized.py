@@ -119,7 +119,11 @@ class W8A8Linear(nn.Module):
 
     The integer product runs as a float matmul of the integer values: torch's CPU
     `_int_mm` measured 30x slower than float32 F.linear here, and the result is the same
-    function (the Triton INT8 GEMM of quantpipe.kernels takes this on CUDA).
+    function (the Triton INT8 GEMM of quantpipe.kernels takes this on CUDA). Served in
+    bf16, both sides are held as bf16 (every int8 value is exact in bf16's 8 significant
+    bits) and go through the bf16 GEMM, which accumulates in float32: half the memory of
+    float32 integer values and the bf16 GEMM's speed; only the product is rounded to bf16,
+    as any bf16 Linear's is.
     """
 
     kernel = "w8a8"
@@ -127,7 +131,8 @@ class W8A8Linear(nn.Module):
     def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
-        self.register_buffer("weight_q", qw.q.to(torch.float32).contiguous())  # integer values, exact in fp32
+        self.gemm_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.register_buffer("weight_q", qw.q.to(self.gemm_dtype).contiguous())  # integer values, exact
         self.register_buffer("weight_scale", qw.scale.reshape(-1).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
@@ -135,7 +140,7 @@ class W8A8Linear(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, shape[-1]).float()
         xq, xs = quantize_per_token(xf)
-        y = (xq @ self.weight_q.t()) * xs * self.weight_scale
+        y = F.linear(xq.to(self.gemm_dtype), self.weight_q).float() * xs * self.weight_scale
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

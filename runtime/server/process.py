@@ -18,6 +18,24 @@ class ServerStartError(RuntimeError):
     pass
 
 
+def _exit_with_parent(parent: int):
+    """For the child, before exec: SIGTERM when the parent goes, however it goes.
+
+    A parent killed by a signal runs no `finally`, and a server left behind holds its model
+    and KV cache (gigabytes) until someone finds it. Linux delivers the signal when the
+    thread that started the child exits, so start servers from a thread that outlives them
+    (every caller here uses the main thread)."""
+
+    def preexec() -> None:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+
+    return preexec
+
+
 class Served:
     """`python -m quantpipe.runtime.server` on a free 127.0.0.1 port, stopped on exit.
 
@@ -40,7 +58,8 @@ class Served:
             cmd += ["--model", model]
         cmd += extra_args or []
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+                                     env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+                                     preexec_fn=_exit_with_parent(os.getpid()) if sys.platform == "linux" else None)
 
     def __enter__(self) -> Served:
         end = time.monotonic() + self.ready_timeout_s

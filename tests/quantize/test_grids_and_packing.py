@@ -156,3 +156,21 @@ def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert got.shape == (2, rows, 96)
         assert torch.allclose(got, ref, atol=tol * ref.abs().max(), rtol=tol), (rows, (got - ref).abs().max())
+
+
+def test_w8a8_linear_in_bf16_is_the_float32_function_within_bf16_rounding():
+    """Served in bf16, W8A8 holds its integer weights as bf16 (exact) and takes the bf16 GEMM."""
+    from quantpipe.runtime.model.quantized import W8A8Linear
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (96, 256), generator=g, dtype=torch.int8)
+    qw = QuantWeight(q, torch.rand(96, 1, generator=g) / 50 + 1e-3, None, 8, None)
+    exact, fast = W8A8Linear(qw, None, torch.float32), W8A8Linear(qw, None, torch.bfloat16)
+    assert fast.weight_q.dtype == torch.bfloat16 and torch.equal(fast.weight_q.float(), q.float())
+    for rows in (1, 64):
+        x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+        out = fast(x)
+        ref, got = exact(x.float()), out.float()
+        assert out.dtype == torch.bfloat16
+        # The same per-token integers either way; only the output's bf16 rounding differs.
+        assert torch.allclose(got, ref, atol=1e-2 * ref.abs().max(), rtol=1e-2), (got - ref).abs().max()

@@ -23,6 +23,7 @@ from quantpipe.manifest import StageError
 from quantpipe.registry import promote, publish
 from quantpipe.registry.canary import Canary, CanaryPolicy, load_canary_policy, parse_duration
 from tests.registry.test_registry import verdict_for
+from tests.server.test_process import alive
 
 mlflow = pytest.importorskip("mlflow")
 openai = pytest.importorskip("openai")
@@ -30,6 +31,20 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Say hello in Spanish.",
            "What is 2 plus 2?", "Write a haiku about rain.", "What does a CPU do?", "Define the word 'river'.",
            "Give me a synonym for happy.", "What is the boiling point of water?", "Who wrote Hamlet?"]
+
+
+def _servers_of(pid: int) -> list[int]:
+    """Pids of the runtime servers whose parent is `pid` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if ppid == pid and b"quantpipe.runtime.server" in cmd:
+            out.append(int(stat.parent.name))
+    return out
 
 
 def _free_port() -> int:
@@ -207,8 +222,12 @@ def test_broken_candidate_is_rolled_back_while_traffic_runs(registry, w8a16_arti
     assert tags["quantpipe.canary.decision"] == "rolled_back"
     assert "greedy_agreement" in tags["quantpipe.canary.reason"]
     assert str(client.get_model_version_by_alias("smol", "champion").version) == champion
+    servers = _servers_of(proc.pid)
+    assert len(servers) == 2  # champion and candidate
     proc.terminate()
     proc.wait(60)
+    # A terminated canary takes its servers with it (uvicorn re-raises the SIGTERM it handled).
+    assert not [pid for pid in servers if alive(pid)], "a canary server outlived the canary"
 
 
 def test_canary_refuses_bad_input(registry):
