@@ -6,8 +6,11 @@ For the baseline and each artifact, loaded as `serve` would load them (dtype aut
 on CPUs with native bf16), the runs alternate model by model for `--repeats` rounds:
 - batch-1 decode tokens/s: a 64-token prompt, 128 greedy tokens (ignore_eos), the
   prefill excluded;
-- offline throughput on chat-cpu (at `--length-scale`), 16 sequences in flight.
-Prints medians and ratios to the baseline; each model's engine stays loaded.
+- offline throughput on chat-cpu (at `--length-scale`), 16 sequences in flight;
+- then, through the server (`quantpipe serve`, one per model, all started first, driven
+  one at a time in alternating order): output tokens/s of the same chat-cpu requests at
+  16 concurrent, streamed, with TTFT and TPOT P50 (`--no-server` skips it).
+Prints medians and ratios to the baseline.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--length-scale", type=float, default=0.5)
     ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--no-server", action="store_true")
     args = ap.parse_args()
     names = ["baseline"] + args.artifacts
     llms = {n: LLM(model=None if n == "baseline" else n, dtype="auto", max_num_seqs=16, max_model_len=2048, seed=0)
@@ -46,18 +50,46 @@ def main() -> None:
             results[n]["decode"].append(bench_batch1(llms[n], None, prompt)["quantpipe_decode_tok_per_s"])
             results[n]["throughput"].append(bench_quantpipe(llms[n], prompts, outs)["tok_per_s"])
             print(n, {k: v[-1] for k, v in results[n].items()}, flush=True)
-    base = {k: statistics.median(v) for k, v in results["baseline"].items()}
-    print(f"\ndtype: {llms['baseline'].engine.dtype}; chat-cpu x{args.length_scale}, {len(reqs)} requests, "
+    kinds = {n: sorted({type(m).kernel for m in llms[n].engine.runner.model.modules() if hasattr(m, "kernel")})
+             for n in names}
+    dtype = llms["baseline"].engine.dtype
+    del llms
+    if not args.no_server:
+        served(names, reqs, results, args.repeats)
+    base = {k: statistics.median(v) for k, v in results["baseline"].items() if v}
+    print(f"\ndtype: {dtype}; chat-cpu x{args.length_scale}, {len(reqs)} requests, "
           f"{sum(outs)} output tokens; medians of {args.repeats}")
-    print("| model | kernels | batch-1 decode tok/s | vs baseline | chat-cpu tok/s | vs baseline |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    cols = [k for k in ("decode", "throughput", "server", "server_ttft_p50", "server_tpot_p50") if k in base]
+    heads = {"decode": "batch-1 decode tok/s", "throughput": "chat-cpu offline tok/s",
+             "server": "chat-cpu server tok/s (16 concurrent)", "server_ttft_p50": "server TTFT P50 s",
+             "server_tpot_p50": "server TPOT P50 s"}
+    print("| model | kernels | " + " | ".join(f"{heads[c]} | vs baseline" for c in cols) + " |")
+    print("| --- | --- |" + " --- | --- |" * len(cols))
     for n in names:
-        med = {k: statistics.median(v) for k, v in results[n].items()}
-        kinds = sorted({type(m).kernel for m in llms[n].engine.runner.model.modules() if hasattr(m, "kernel")})
-        print(f"| {os.path.basename(n)} | {', '.join(kinds) or '-'} | {med['decode']:.1f} | "
-              f"{med['decode'] / base['decode']:.2f}x | {med['throughput']:.1f} | "
-              f"{med['throughput'] / base['throughput']:.2f}x |")
+        med = {k: statistics.median(results[n][k]) for k in cols}
+        print(f"| {os.path.basename(n)} | {', '.join(kinds[n]) or '-'} | "
+              + " | ".join(f"{med[c]:.3g} | {med[c] / base[c]:.2f}x" for c in cols) + " |")
 
+
+def served(names: list[str], reqs, results: dict, repeats: int) -> None:
+    """chat-cpu at 16 concurrent through one server per model, driven in alternating order."""
+    import asyncio
+    import contextlib
+
+    from quantpipe.eval.latency import KV_CACHE_MEMORY, _drive
+    from quantpipe.runtime.server.process import Served
+
+    with contextlib.ExitStack() as stack:
+        urls = {n: stack.enter_context(Served(None if n == "baseline" else n, 2048,
+                                              ["--kv-cache-memory", KV_CACHE_MEMORY, "--max-num-seqs", "16"])).url
+                for n in names}
+        for r in range(repeats):
+            for n in (names if r % 2 == 0 else list(reversed(names))):
+                run = asyncio.run(_drive(urls[n], reqs, concurrency=16))
+                for key, value in (("server", run["output_tokens_per_s"]), ("server_ttft_p50", run["ttft_p50_s"]),
+                                   ("server_tpot_p50", run["tpot_p50_s"])):
+                    results[n].setdefault(key, []).append(value)
+                print(n, "server", {k: round(v[-1], 4) for k, v in results[n].items()}, flush=True)
 
 if __name__ == "__main__":
     main()

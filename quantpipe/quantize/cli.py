@@ -17,7 +17,8 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, 
 @click.option("--method", type=click.Choice(METHODS), default="rtn", show_default=True)
 @click.option("--clip", type=click.Choice(CLIPS), default="minmax", show_default=True, help="RTN range")
 @click.option("--dampening", type=float, default=0.01, show_default=True, help="GPTQ: x mean Hessian diagonal")
-@click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal")
+@click.option("--act-order/--no-act-order", default=True, show_default=True,
+              help="GPTQ: columns by decreasing Hessian diagonal (groups stay in order: actorder 'weight')")
 @click.option("--calib", default=None, help="calibration set folder (quantpipe calibrate) or a text file")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
 @click.option("--calib-seq-len", type=int, default=512, show_default=True)

@@ -30,7 +30,10 @@ class QuantConfig:
     clip: str = "minmax"  # RTN's range: min-max, or the MSE-optimal shrink (AWQ searches its own)
     dampening: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added to it
     block_size: int = 128  # GPTQ: columns per lazy-update block
-    act_order: bool = False  # GPTQ: quantize columns by decreasing Hessian diagonal
+    # GPTQ: quantize columns by decreasing Hessian diagonal, groups and scales kept in the
+    # original order (actorder "weight"). On the shipped sample it took W4 g64's perplexity
+    # increase from +30.8% to +20.7% (RTN +42.3%, llm-compressor's GPTQModifier +21.9%).
+    act_order: bool = True
     calib_samples: int = 128
     calib_seq_len: int = 512
     quantize_lm_head: bool = False

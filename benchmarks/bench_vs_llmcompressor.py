@@ -1,0 +1,97 @@
+"""quantpipe's GPTQ against llm-compressor's GPTQModifier: same token ids, same scorer.
+
+    .venv/bin/python benchmarks/bench_vs_llmcompressor.py --lc-python LC/bin/python \
+        --calib calib_sets/sample-set [--heldout calib_sets/sample-set] [--calib-samples 128 --calib-seq-len 512]
+
+LC is a virtualenv with llmcompressor (it pins transformers and compressed-tensors
+versions other than quantpipe's; see scripts/make-llmcompressor-fixtures.py). The
+default model is written as a float32 HF folder; the calibration sequences quantpipe's
+GPTQ would take from `--calib` are written out as token ids and given to both; both
+quantize W4A16 group 64 symmetric with dampening 0.01 (lm_head kept). Each artifact is
+loaded by quantpipe's loader in float32 and scored against the source model on the
+held-out texts by the teacher-forced scorer, with quantpipe's GPTQ with act-order (static
+groups) and plain RTN on the same grid beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lc-python", required=True, help="python of a virtualenv with llmcompressor")
+    ap.add_argument("--calib", required=True, help="a quantpipe calibrate set (its calib.jsonl)")
+    ap.add_argument("--heldout", default=None, help="a quantpipe calibrate set whose heldout.jsonl is scored")
+    ap.add_argument("--calib-samples", type=int, default=128)
+    ap.add_argument("--calib-seq-len", type=int, default=512)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--max-texts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    args = ap.parse_args()
+
+    from evals.scorer import score_many
+    from quantpipe.quantize import QuantConfig, quantize
+    from quantpipe.quantize.stage import _token_samples, calibration_texts
+    from quantpipe.runtime.model.loader import load_model
+
+    heldout = args.heldout or args.calib
+    rows = [json.loads(line) for line in open(os.path.join(heldout, "heldout.jsonl"), encoding="utf-8")]
+    rows = rows[:: max(1, len(rows) // args.max_texts)][: args.max_texts]  # spread over the strata
+    texts, strata = [r["text"] for r in rows], [r["stratum"] for r in rows]
+    base, _, tok = load_model(None, torch.float32)
+    cfg = dict(scheme="W4A16", group_size=args.group_size, calib_samples=args.calib_samples,
+               calib_seq_len=args.calib_seq_len, dampening=0.01)
+    samples = _token_samples(calibration_texts(args.calib)[0], tok, QuantConfig(**cfg))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, ids = os.path.join(tmp, "hf"), os.path.join(tmp, "samples.json")
+        subprocess.run([sys.executable, "-m", "quantpipe", "export-hf", hf, "--dtype", "float32"], check=True)
+        with open(ids, "w") as f:
+            json.dump(samples, f)
+        arts = {}
+        lc = subprocess.run([args.lc_python, os.path.join(ROOT, "benchmarks", "llmcompressor_gptq.py"), hf, ids,
+                             os.path.join(tmp, "llmcompressor"), "--group-size", str(args.group_size)],
+                            check=True, stdout=subprocess.PIPE, text=True)
+        lc_run = json.loads(lc.stdout.strip().splitlines()[-1])  # its oneshot's own time, imports left out
+        arts["llm-compressor GPTQModifier"] = (os.path.join(tmp, "llmcompressor"), lc_run["llmcompressor_gptq_s"])
+        print(json.dumps(lc_run), flush=True)
+        ours = {"quantpipe GPTQ": dict(method="gptq"), "quantpipe GPTQ, act-order": dict(method="gptq", act_order=True),
+                "quantpipe RTN": dict(method="rtn")}
+        for i, (name, extra) in enumerate(ours.items()):
+            out = os.path.join(tmp, f"ours-{i}")
+            t = time.perf_counter()
+            quantize(None, QuantConfig(**cfg, **extra), None, out,
+                     calib_token_ids=samples if extra["method"] == "gptq" else None)
+            arts[name] = (out, time.perf_counter() - t)
+        cands = [load_model(path, torch.float32)[0] for path, _ in arts.values()]
+        for (name, (_, took)), q in zip(arts.items(), score_many(base, cands, tok, texts, strata, args.max_tokens)):
+            s = q.summary()
+            results.append({"artifact": name, "ppl_delta_pct": round(s["ppl_delta_pct"], 2),
+                            "kl_mean": round(s["kl_mean"], 4), "top1_agreement": round(s["top1_agreement"], 4),
+                            "quantize_s": round(took, 1), "tokens": s["tokens"]})
+            print(json.dumps(results[-1]), flush=True)
+    lc_delta = results[0]["ppl_delta_pct"]
+    print(f"\n{len(samples)} calibration sequences ({sum(map(len, samples))} tokens) from {args.calib}; "
+          f"{len(texts)} held-out texts of {heldout}, {args.max_tokens} tokens at most")
+    print("| artifact | perplexity delta | vs llm-compressor's | mean KL | top-1 agreement | time to quantize |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        print(f"| {r['artifact']} | {r['ppl_delta_pct']:+.1f}% | {r['ppl_delta_pct'] / lc_delta:.2f}x | "
+              f"{r['kl_mean']:.3f} | {r['top1_agreement']:.1%} | {r['quantize_s']:.0f} s |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
