@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -45,7 +47,7 @@ def main() -> int:
         art = quantize(None, cfg, None, os.path.join(tmp, "gptq"), calib_token_ids=samples)
         took = time.perf_counter() - t
     print(json.dumps({"samples": args.samples, "seq_len": args.seq_len, "tokens": need, "wall_s": round(took, 1),
-                      "manifest_time_s": art.manifest.get("time_s"), "threads": __import__("torch").get_num_threads()}))
+                      "manifest_time_s": art.manifest.get("time_s"), "threads": torch.get_num_threads()}))
     return 0
 
 

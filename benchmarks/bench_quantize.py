@@ -62,6 +62,15 @@ def docs_sets(folder: str) -> tuple[str, str]:
     return os.path.join(folder, "heldout-set"), os.path.join(folder, "calib-set")
 
 
+def heldout_texts(folder: str, max_texts: int) -> tuple[list[str], list[str]]:
+    """Texts and strata of up to `max_texts` rows of a calibrate set's heldout.jsonl, taken
+    evenly through the file so they spread over its strata."""
+    with open(os.path.join(folder, "heldout.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    rows = rows[:: max(1, len(rows) // max_texts)][:max_texts]
+    return [r["text"] for r in rows], [r["stratum"] for r in rows]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heldout", default=None, help="a quantpipe calibrate set: its heldout.jsonl is scored")
@@ -83,9 +92,7 @@ def main() -> int:
     from quantpipe.quantize import QuantConfig, quantize
     from quantpipe.runtime.model.loader import load_model
 
-    rows = [json.loads(line) for line in open(os.path.join(args.heldout, "heldout.jsonl"), encoding="utf-8")]
-    rows = rows[:: max(1, len(rows) // args.max_texts)][: args.max_texts]  # spread over the strata
-    texts, strata = [r["text"] for r in rows], [r["stratum"] for r in rows]
+    texts, strata = heldout_texts(args.heldout, args.max_texts)
     base, _, tok = load_model(None, torch.float32)
     print(json.dumps({"texts": len(texts), "max_tokens": args.max_tokens, "heldout": args.heldout}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:

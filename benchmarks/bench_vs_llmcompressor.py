@@ -9,8 +9,8 @@ default model is written as a float32 HF folder; the calibration sequences quant
 GPTQ would take from `--calib` are written out as token ids and given to both; both
 quantize W4A16 group 64 symmetric with dampening 0.01 (lm_head kept). Each artifact is
 loaded by quantpipe's loader in float32 and scored against the source model on the
-held-out texts by the teacher-forced scorer, with quantpipe's GPTQ with act-order (static
-groups) and plain RTN on the same grid beside them.
+held-out texts by the teacher-forced scorer: quantpipe's GPTQ with columns in order and
+with act-order (static groups, its default), and plain RTN on the same grid.
 """
 
 from __future__ import annotations
@@ -41,15 +41,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     args = ap.parse_args()
 
+    from benchmarks.bench_quantize import heldout_texts
     from evals.scorer import score_many
     from quantpipe.quantize import QuantConfig, quantize
     from quantpipe.quantize.stage import _token_samples, calibration_texts
     from quantpipe.runtime.model.loader import load_model
 
     heldout = args.heldout or args.calib
-    rows = [json.loads(line) for line in open(os.path.join(heldout, "heldout.jsonl"), encoding="utf-8")]
-    rows = rows[:: max(1, len(rows) // args.max_texts)][: args.max_texts]  # spread over the strata
-    texts, strata = [r["text"] for r in rows], [r["stratum"] for r in rows]
+    texts, strata = heldout_texts(heldout, args.max_texts)
     base, _, tok = load_model(None, torch.float32)
     cfg = dict(scheme="W4A16", group_size=args.group_size, calib_samples=args.calib_samples,
                calib_seq_len=args.calib_seq_len, dampening=0.01)
@@ -67,7 +66,8 @@ def main() -> int:
         lc_run = json.loads(lc.stdout.strip().splitlines()[-1])  # its oneshot's own time, imports left out
         arts["llm-compressor GPTQModifier"] = (os.path.join(tmp, "llmcompressor"), lc_run["llmcompressor_gptq_s"])
         print(json.dumps(lc_run), flush=True)
-        ours = {"quantpipe GPTQ": dict(method="gptq"), "quantpipe GPTQ, act-order": dict(method="gptq", act_order=True),
+        ours = {"quantpipe GPTQ, columns in order": dict(method="gptq", act_order=False),
+                "quantpipe GPTQ, act-order (the default)": dict(method="gptq", act_order=True),
                 "quantpipe RTN": dict(method="rtn")}
         for i, (name, extra) in enumerate(ours.items()):
             out = os.path.join(tmp, f"ours-{i}")

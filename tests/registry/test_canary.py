@@ -23,7 +23,7 @@ from quantpipe.manifest import StageError
 from quantpipe.registry import promote, publish
 from quantpipe.registry.canary import Canary, CanaryPolicy, load_canary_policy, parse_duration
 from tests.registry.test_registry import verdict_for
-from tests.server.test_process import alive
+from tests.server.test_process import alive, proc_stat
 
 mlflow = pytest.importorskip("mlflow")
 openai = pytest.importorskip("openai")
@@ -36,14 +36,15 @@ PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Say 
 def _servers_of(pid: int) -> list[int]:
     """Pids of the runtime servers whose parent is `pid` (from /proc)."""
     out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = proc_stat(entry.name)
+        if fields is None or int(fields[1]) != pid:
+            continue
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (stat.parent / "cmdline").read_bytes()
+            if b"quantpipe.runtime.server" in (entry / "cmdline").read_bytes():
+                out.append(int(entry.name))
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if ppid == pid and b"quantpipe.runtime.server" in cmd:
-            out.append(int(stat.parent.name))
     return out
 
 

@@ -21,13 +21,18 @@ with Served(None, 512, ["--kv-cache-memory", "64MiB"]) as s:
 """
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def alive(pid: int) -> bool:
     """Running, not a zombie waiting for a reaper."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
