@@ -22,13 +22,15 @@ POLICY     ?=
 SUITE      ?=
 REGISTRY   ?=
 PUBLISH    ?= 1
+ARTIFACT   ?=
+INTERPRET  ?=
 NAME       ?= $(shell echo smollm2-$(SCHEME)-$(METHOD) | tr A-Z a-z)
 
 # Set up once; redone when the package's requirements change.
 INSTALLED  := .venv/.quantpipe-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test serve bench demo calibrate quantize eval gate ci-gate
+.PHONY: help setup test serve bench demo calibrate quantize kernels eval gate ci-gate
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -60,6 +62,9 @@ quantize: $(INSTALLED) ## the whole pipeline: calibrate, quantize, eval, gate, p
 		$(if $(LOGS),--logs "$(LOGS)") $(if $(CALIB),--calib $(CALIB)) $(if $(POLICY),--policy $(POLICY)) \
 		$(if $(SUITE),--suite $(SUITE)) $(if $(REGISTRY),--registry-uri $(REGISTRY)) --recipe $(RECIPE) --name $(NAME) \
 		$(if $(filter 0,$(PUBLISH)),--no-publish)
+
+kernels: $(INSTALLED) ## verify, autotune and record the Triton kernels of ARTIFACT=dir on CUDA (INTERPRET=1: verify on CPU)
+	$(QUANTPIPE) kernels build $(or $(ARTIFACT),$(error ARTIFACT=artifacts/NAME is required)) $(if $(INTERPRET),--interpret)
 
 eval: $(INSTALLED) ## A/B artifacts/NAME against its source model on CALIB (default calib_sets/NAME-set) into reports/NAME
 	$(QUANTPIPE) eval --candidate artifacts/$(NAME) --calib $(or $(CALIB),calib_sets/$(NAME)-set) \

@@ -11,6 +11,7 @@ from quantpipe import __version__
 from quantpipe.calibrate.cli import calibrate_command
 from quantpipe.eval.cli import eval_command
 from quantpipe.gate import gate_command
+from quantpipe.kernels.cli import kernels_group
 from quantpipe.pipeline import pipeline_command
 from quantpipe.quantize.cli import quantize_command
 from quantpipe.registry.cli import canary_command, promote_command, publish_command, registry_group, rollback_command
@@ -25,7 +26,7 @@ from quantpipe.runtime.utils import run_click
 def cli() -> None:
     """Quantize LLMs calibrated on production traffic; verify, gate and publish them.
 
-    Stages: calibrate, quantize, eval, gate, publish (promote, rollback); `pipeline` runs them all.
+    Stages: calibrate, quantize, kernels build, eval, gate, publish (promote, rollback); `pipeline` runs them all.
     Runtime: serve, generate, bench, export-hf.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -35,6 +36,7 @@ cli.add_command(calibrate_command)
 cli.add_command(quantize_command)
 cli.add_command(eval_command)
 cli.add_command(gate_command)
+cli.add_command(kernels_group)
 cli.add_command(pipeline_command)
 for command in (publish_command, promote_command, rollback_command, canary_command, registry_group):
     cli.add_command(command)

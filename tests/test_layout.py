@@ -51,7 +51,8 @@ def test_cli_lists_the_commands():
     from quantpipe.cli import cli
 
     out = CliRunner().invoke(cli, ["--help"]).output
-    for command in ("serve", "generate", "bench", "export-hf"):
+    for command in ("calibrate", "quantize", "kernels", "eval", "gate", "publish", "serve", "generate", "bench",
+                    "export-hf"):
         assert f"  {command} " in out, out
     bench = CliRunner().invoke(cli, ["bench", "--help"]).output
     for command in ("run", "sweep", "compare", "mock-server"):
@@ -66,5 +67,5 @@ def test_console_script_and_usage_errors():
 
 def test_make_help_lists_the_targets():
     out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    for target in ("setup", "test", "serve", "bench"):
+    for target in ("setup", "test", "serve", "bench", "calibrate", "quantize", "kernels", "eval", "gate"):
         assert f"make {target} " in out, out

@@ -5,11 +5,14 @@ The cache of one layer holds slots `[num_blocks * block_size, kv_heads, head_dim
 K/V are written into their slots, then each query reads only its own request's slots. Decodes (one query token)
 are sorted by context length and batched into a few SDPA calls over padded slot
 tables (grouping similar lengths keeps padding small); prefill chunks run one SDPA
-call each. This plain-PyTorch path is used on CPU and CUDA alike.
+call each. On CUDA, decodes instead take quantpipe.kernels' paged decode kernel when the
+runner sets `decode_kernel`: it reads K/V straight from the blocks (dequantizing INT8 as
+it loads), with no gathered copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +38,7 @@ class DecodeGroup:
     count: int
     block_table: torch.Tensor  # [count, max_blocks]
     mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size], True where attended
+    context_lens: torch.Tensor | None = None  # [count] keys each query attends to
 
 
 @dataclass
@@ -43,6 +47,8 @@ class AttentionMetadata:
     block_size: int
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # (q [B, H, D], cache, block_table, context_lens, block_size) -> [B, H, D]; None: gather + SDPA
+    decode_kernel: Callable | None = None
 
 
 def paged_attention(
@@ -57,6 +63,9 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in meta.decodes:
         rows = slice(g.q_start, g.q_start + g.count)
+        if meta.decode_kernel is not None:
+            out[rows] = meta.decode_kernel(q[rows], cache, g.block_table, g.context_lens, meta.block_size)
+            continue
         qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
         kd, vd = (x.transpose(1, 2) for x in cache.gather(g.block_table, meta.block_size))  # [B, KVH, L, D]
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, enable_gqa=gqa)

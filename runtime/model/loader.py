@@ -96,7 +96,7 @@ def _quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConf
 
 
 def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
-            quant_kernel: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+            quant_kernel: str | None = None, kernel_plan=None) -> tuple[LlamaForCausalLM, ModelConfig]:
     from safetensors.torch import load_file
 
     raw = json.load(open(os.path.join(path, "config.json")))
@@ -118,7 +118,14 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
     if quant:
         if cfg.tie_word_embeddings and "lm_head" in quant:
             raise ValueError("lm_head is quantized but tied to the embeddings; untie it before quantizing")
-        swap_linears(model, quant, dtype, device or torch.device("cpu"), force_kernel=quant_kernel)
+        device = device or torch.device("cpu")
+        plan = kernel_plan
+        if plan is None and device.type == "cuda" and not quant_kernel:
+            from quantpipe.kernels.plan import load_plan
+
+            name = torch.cuda.get_device_name(device)
+            plan = load_plan(path, name, torch.cuda.get_device_capability(device))
+        swap_linears(model, quant, dtype, device, force_kernel=quant_kernel, plan=plan)
     return model, cfg
 
 
@@ -224,16 +231,18 @@ def load_gguf(path: str, dtype: torch.dtype):
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | None = None,
-               quant_kernel: str | None = None):
+               quant_kernel: str | None = None, kernel_plan=None):
     """(model, config, tokenizer or None) from a GGUF file, an HF folder or a quantized artifact.
 
     `device` picks the kernels of quantized layers (they differ between CPU and CUDA);
-    `quant_kernel` ("dequant", ...) overrides that choice, for checks and debugging.
+    `quant_kernel` ("dequant", ...) overrides that choice, for checks and debugging. On CUDA
+    the Triton kernels run by the artifact's kernels.json; `kernel_plan` (a loaded KernelPlan)
+    imposes one instead, on any device (on CPU only in Triton's interpreter: for checks).
     """
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
         return load_gguf(path, dtype)
-    module, cfg = load_hf(path, dtype, device, quant_kernel)
+    module, cfg = load_hf(path, dtype, device, quant_kernel, kernel_plan)
     tokenizer = None
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         from quantpipe.runtime.model.tokenizer import tokenizer_from_hf

@@ -10,8 +10,10 @@ guessed, and each choice is logged once at load:
   (its zero convention, w = (u - 8) * scale + zero with a float zero, is converted from
   compressed-tensors' integer zero point at load)
 - `w8a8`: INT8 weights and per-token INT8 activations (W8A8)
-- `dequant`: anything else (other group sizes, W8 by group, CUDA until the Triton
-  kernels are built): weights dequantized once to the model dtype, then plain F.linear.
+- `triton-mixed` / `triton-w8a8` (CUDA): the Triton kernels of quantpipe.kernels with the
+  configs `quantpipe kernels build` chose and recorded in the artifact's kernels.json
+- `dequant`: anything else (other group sizes, W8 by group, CUDA without a kernels.json
+  built for the device): weights dequantized once to the model dtype, then plain F.linear.
 
 torch's CPU int kernels are fast only with bf16 activations: with float32 ones they ran
 10-60x slower than float32 F.linear (measured), so a float32 model takes `dequant`.
@@ -183,11 +185,31 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype) -> typ
     return DequantLinear
 
 
+def _triton_module(qw: QuantWeight, plan, missing: dict[str, str]):
+    """A factory for the Triton module of this weight's case in `plan`, or None (recorded in `missing`)."""
+    from quantpipe.kernels.plan import weight_case
+
+    key, kernel, reason = weight_case(qw)
+    configs = plan.configs(key)
+    if configs is None:
+        missing[key] = reason or "not in kernels.json (built for another artifact?)"
+        return None
+    from quantpipe.kernels.linear import TritonMixedLinear, TritonW8A8Linear
+
+    cls = TritonMixedLinear if kernel == "mixed_gemm" else TritonW8A8Linear
+    return lambda q, bias, dtype: cls(q, bias, dtype, configs)
+
+
 def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch.dtype,
-                 device: torch.device, force_kernel: str | None = None) -> dict[str, str]:
-    """Replace model.<name> (an nn.Linear) by a quantized module for each entry; returns name -> kernel."""
+                 device: torch.device, force_kernel: str | None = None, plan=None) -> dict[str, str]:
+    """Replace model.<name> (an nn.Linear) by a quantized module for each entry; returns name -> kernel.
+
+    `plan` (a quantpipe.kernels KernelPlan, CUDA only) runs its cases through the Triton kernels;
+    a case it lacks takes the fallback below, said once per case.
+    """
     kinds = {"int8pack": Int8PackLinear, "int4pack": Int4PackLinear, "dequant": DequantLinear, "w8a8": W8A8Linear}
     chosen: dict[str, str] = {}
+    missing: dict[str, str] = {}
     for name, qw in weights.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -198,9 +220,15 @@ def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch
             raise ValueError(f"{name}: quantized weight has shape {tuple(qw.q.shape)}, "
                              f"the layer is {(old.out_features, old.in_features)}")
         cls = kinds[force_kernel] if force_kernel and qw.act_bits is None else kernel_for(qw, device, dtype)
+        make = cls
+        if plan is not None and not force_kernel:
+            make = _triton_module(qw, plan, missing) or cls
         bias = None if old.bias is None or old.bias.is_meta else old.bias.detach()
-        setattr(parent, attr, cls(qw, bias, dtype).to(device))
-        chosen[name] = cls.kernel
+        module = make(qw, bias, dtype).to(device)
+        setattr(parent, attr, module)
+        chosen[name] = module.kernel
+    for key, reason in missing.items():
+        log.warning("no Triton kernel for %s (%s): its layers use the torch fallback", key, reason)
     summary: dict[str, int] = {}
     for k in chosen.values():
         summary[k] = summary.get(k, 0) + 1

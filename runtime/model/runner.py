@@ -6,12 +6,16 @@ no scheduling decisions.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from quantpipe.runtime.engine.scheduler import ScheduledChunk
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from quantpipe.runtime.model.kv_cache import bytes_per_token, layer_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
+
+log = logging.getLogger("quantpipe.runtime")
 
 
 class ModelRunner:
@@ -21,6 +25,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.kv_caches = [layer_cache(model, i, num_blocks * block_size, device) for i in range(cfg.num_layers)]
+        self.decode_kernel = _cuda_decode_kernel(model, block_size) if device.type == "cuda" else None
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
@@ -47,11 +52,12 @@ class ModelRunner:
             positions.extend(range(c.start, c.end))
             slot_mapping.extend(self._slots(c.request.block_ids, c.start, c.end))
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev), block_size=self.block_size)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev), block_size=self.block_size,
+                                 decode_kernel=self.decode_kernel)
         row = 0
         for group in _group_by_length(decodes):
-            table, mask = self._decode_tables(group)
-            meta.decodes.append(DecodeGroup(row, len(group), table, mask))
+            table, mask, lens = self._decode_tables(group)
+            meta.decodes.append(DecodeGroup(row, len(group), table, mask, lens))
             row += len(group)
         for c in prefills:
             span = PrefillSpan(row, c.num_tokens, c.end, None)
@@ -77,7 +83,7 @@ class ModelRunner:
         )
         return sampled, logits
 
-    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bs = self.block_size
         ctx = [c.end for c in decodes]
         max_blocks = -(-max(ctx) // bs)
@@ -86,9 +92,28 @@ class ModelRunner:
             [c.request.block_ids[:max_blocks] + [0] * (max_blocks - len(c.request.block_ids)) for c in decodes],
             device=self.device,
         )
-        lens = torch.tensor(ctx, device=self.device).unsqueeze(1)
-        mask = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens
-        return table, mask[:, None, None, :]
+        lens = torch.tensor(ctx, device=self.device)
+        mask = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
+        return table, mask[:, None, None, :], lens
+
+def _cuda_decode_kernel(model: LlamaForCausalLM, block_size: int):
+    """quantpipe.kernels' paged decode for this model's KV cache on CUDA, or None (said why)."""
+    cfg = model.config
+    reason = None
+    if model.kv_cache_dtype == "fp8":
+        reason = "an fp8 KV cache"
+    elif cfg.head_dim & (cfg.head_dim - 1) or block_size & (block_size - 1):
+        reason = f"head_dim {cfg.head_dim} / block_size {block_size} not powers of two"
+    else:
+        try:
+            from quantpipe.kernels.paged_attention import paged_decode
+        except ImportError as e:
+            reason = f"triton is not importable ({e})"
+    if reason:
+        log.warning("decode attention uses gather + SDPA: the Triton paged decode kernel has no case for %s", reason)
+        return None
+    return paged_decode
+
 
 def _group_by_length(decodes: list[ScheduledChunk], min_group: int = 8, max_ratio: float = 1.5) -> list[list[ScheduledChunk]]:
     """Split length-sorted decodes where padding to the group's longest would waste a lot.
