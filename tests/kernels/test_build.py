@@ -156,3 +156,15 @@ def test_a_case_missing_from_the_plan_falls_back_and_says_so_once(tmp_path, capl
     assert caplog.text.count(f"no Triton kernel for {dropped['key']}") == 1
     kinds = [type(m).kernel for m in model.modules() if hasattr(type(m), "kernel")]
     assert kinds.count("dequant") == len(dropped["layers"]) and "triton-mixed" in kinds
+
+
+def test_formats_without_a_kernel_are_named():
+    from quantpipe.kernels.plan import weight_case
+    from quantpipe.runtime.model.quantized import QuantWeight
+
+    q = torch.zeros(64, 512, dtype=torch.int8)
+    key, kernel, reason = weight_case(QuantWeight(q, torch.ones(64, 2), None, 4, 256))
+    assert key == "mixed_gemm/W4A16/g256/sym/64x512" and "group size 256" in reason
+    _, kernel, reason = weight_case(QuantWeight(q, torch.ones(64, 8), torch.zeros(64, 8), 8, 64, act_bits=8))
+    assert kernel == "w8a8_gemm" and "per-channel symmetric" in reason
+    assert weight_case(QuantWeight(q, torch.ones(64, 1), None, 8, None, act_bits=8))[2] is None
