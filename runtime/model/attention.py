@@ -51,6 +51,25 @@ class AttentionMetadata:
     decode_kernel: Callable | None = None
 
 
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per sequence: q [B, H, D] over k, v [B, L, KVH, D], mask [B, 1, 1, L] -> [B, H, D].
+
+    Two batched GEMMs and a softmax, not SDPA: CPU SDPA (its flash kernel) took 27 ms for
+    64 queries over 640 keys where this takes 5 (benchmarks/profile_step.py, BENCHMARKS.md).
+    The query heads sharing a KV head are the GEMM's rows, so K/V are never repeated for GQA.
+    Scores and softmax are float32 (K is upcast as it is laid out for the GEMM); the
+    probabilities are rounded to V's dtype for the second GEMM, as flash kernels do.
+    """
+    b, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, kvh, h // kvh, d).float() * d ** -0.5
+    kt = k.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, KVH, L, D]
+    scores = torch.matmul(qg, kt.transpose(-1, -2))  # [B, KVH, G, L]
+    scores.masked_fill_(~mask.view(b, 1, 1, -1), float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d).to(q.dtype)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
@@ -66,10 +85,8 @@ def paged_attention(
         if meta.decode_kernel is not None:
             out[rows] = meta.decode_kernel(q[rows], cache, g.block_table, g.context_lens, meta.block_size)
             continue
-        qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
-        kd, vd = (x.transpose(1, 2) for x in cache.gather(g.block_table, meta.block_size))  # [B, KVH, L, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, enable_gqa=gqa)
-        out[rows] = od.squeeze(2)
+        kd, vd = cache.gather(g.block_table, meta.block_size)  # [B, L, KVH, D]
+        out[rows] = _decode_attention(q[rows], kd, vd, g.mask)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel.
