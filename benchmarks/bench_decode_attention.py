@@ -1,10 +1,10 @@
-"""Decode attention on CPU: the runtime's two-GEMM path against SDPA, alone and in the engine.
+"""Decode attention on CPU: the paged decode kernel, the two-GEMM path and SDPA, alone and in the engine.
 
     .venv/bin/python benchmarks/bench_decode_attention.py [--repeats 2] [--length-scale 1.0]
 
 1. One decode group (64 queries, 9 heads over 3 KV heads, D 64, 640 keys, bf16): median ms
-   and max error against a float32 reference, for SDPA (the runtime's path before) and the
-   runtime's `_decode_attention`.
+   and max error against a float32 reference, for SDPA (the first path), the torch path's
+   `_decode_attention` (gather + two GEMMs) and the C++ kernel reading the paged cache.
 2. chat-cpu (64 requests) through the engine, bf16, with each path in turn (alternating,
    `--repeats` runs each): output tok/s, medians.
 """
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import quantpipe.runtime.model.attention as attention
 from quantpipe.runtime import LLM, SamplingParams
+from quantpipe.runtime.model import cpu_attention
 from quantpipe.runtime.workload import materialize, preset
 
 
@@ -51,6 +52,13 @@ def micro():
     for name, fn in (("sdpa", sdpa_decode), ("two_gemm", attention._decode_attention)):
         err = (fn(q, k, v, mask).float() - ref).abs().max().item()
         print(f"{name:9s} {median_ms(lambda f=fn: f(q, k, v, mask)):6.2f} ms, max error vs float32 {err:.4f}")
+    ext = cpu_attention.kernel()
+    if ext is not None:  # the same K/V as a paged cache: block b of sequence i is block i * 40 + b
+        kc, vc = (x.reshape(b * length, kvh, d) for x in (k, v))
+        table = torch.arange(b * length // 16).reshape(b, -1)
+        run = lambda: ext.paged_decode(q, kc, vc, table, lens, 16)  # noqa: E731
+        err = (run().float() - ref).abs().max().item()
+        print(f"{'kernel':9s} {median_ms(run):6.2f} ms, max error vs float32 {err:.4f}")
 
 
 def engine_tok_s(llm: LLM, prompts, outs) -> float:
@@ -73,17 +81,20 @@ def main() -> None:
     llm = LLM(dtype="bfloat16", device="cpu", max_num_seqs=64)
     reqs = materialize(preset("chat-cpu", length_scale=args.length_scale), llm.get_tokenizer())
     prompts, outs = [r.prompt_ids for r in reqs], [r.output_tokens for r in reqs]
-    ours = attention._decode_attention
-    runs = {"sdpa": [], "two_gemm": []}
+    ours, kernel = attention._decode_attention, llm.engine.runner.decode_kernel
+    variants = {"sdpa": (sdpa_decode, None), "two_gemm": (ours, None)}
+    if kernel is not None:
+        variants["kernel"] = (ours, kernel)
+    runs = {name: [] for name in variants}
     for _ in range(args.repeats):
-        for name, fn in (("sdpa", sdpa_decode), ("two_gemm", ours)):
-            attention._decode_attention = fn
+        for name, (fn, dk) in variants.items():
+            attention._decode_attention, llm.engine.runner.decode_kernel = fn, dk
             llm.engine.pool.reset_prefix_cache()  # every run prefills its prompts
             runs[name].append(engine_tok_s(llm, prompts, outs))
             print(f"chat-cpu engine, {name}: {runs[name][-1]:.1f} tok/s", flush=True)
-    attention._decode_attention = ours
-    a, b = (statistics.median(runs[n]) for n in ("sdpa", "two_gemm"))
-    print(f"median: sdpa {a:.1f}, two_gemm {b:.1f} tok/s -> {b / a:.2f}x")
+    attention._decode_attention, llm.engine.runner.decode_kernel = ours, kernel
+    med = {n: statistics.median(r) for n, r in runs.items()}
+    print("median tok/s: " + ", ".join(f"{n} {v:.1f} ({v / med['sdpa']:.2f}x sdpa)" for n, v in med.items()))
 
 
 if __name__ == "__main__":

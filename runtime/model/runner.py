@@ -25,7 +25,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.kv_caches = [layer_cache(model, i, num_blocks * block_size, device) for i in range(cfg.num_layers)]
-        self.decode_kernel = _cuda_decode_kernel(model, block_size) if device.type == "cuda" else None
+        self.decode_kernel = _cuda_decode_kernel(model, block_size) if device.type == "cuda" else \
+            _cpu_decode_kernel(model)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
@@ -55,7 +56,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev), block_size=self.block_size,
                                  decode_kernel=self.decode_kernel)
         row = 0
-        for group in _group_by_length(decodes):
+        # A kernel reads each sequence's own blocks: one call for all decodes, nothing padded.
+        for group in _group_by_length(decodes) if self.decode_kernel is None else [decodes] if decodes else []:
             table, mask, lens = self._decode_tables(group)
             meta.decodes.append(DecodeGroup(row, len(group), table, mask, lens))
             row += len(group)
@@ -113,6 +115,22 @@ def _cuda_decode_kernel(model: LlamaForCausalLM, block_size: int):
         log.warning("decode attention uses gather + SDPA: the Triton paged decode kernel has no case for %s", reason)
         return None
     return paged_decode
+
+
+def _cpu_decode_kernel(model: LlamaForCausalLM):
+    """The CPU paged decode kernel for a cache in the model dtype, or None (8-bit caches, no compiler)."""
+    if model.kv_cache_dtype != "auto" or model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    from quantpipe.runtime.model.cpu_attention import kernel
+
+    ext = kernel()
+    if ext is None:
+        return None
+
+    def decode(q, cache, block_table, context_lens, block_size):
+        return ext.paged_decode(q, cache.k, cache.v, block_table, context_lens, block_size)
+
+    return decode
 
 
 def _group_by_length(decodes: list[ScheduledChunk], min_group: int = 8, max_ratio: float = 1.5) -> list[list[ScheduledChunk]]:

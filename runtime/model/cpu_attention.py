@@ -1,0 +1,53 @@
+"""The CPU paged decode kernel (csrc/paged_decode.cpp), compiled once per machine on first use.
+
+It reads K/V straight from their blocks, where the torch path gathers them into a padded
+copy and lays them out for two GEMMs (benchmarks/bench_decode_attention.py, BENCHMARKS.md).
+Compiling needs a C++ compiler (torch.utils.cpp_extension, about 40 s, cached per source,
+torch version and CPU); without one the torch path is used and that is said once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("quantpipe.runtime")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.cache
+def kernel():
+    """The compiled module, or None when it cannot be built here (or QUANTPIPE_CPU_ATTENTION=torch)."""
+    if os.environ.get("QUANTPIPE_CPU_ATTENTION", "kernel") == "torch":
+        return None
+    from torch.utils.cpp_extension import load
+
+    # -march=native: the build is keyed by the CPU's flags, so a cache shared between
+    # machines never hands one CPU's instructions to another. -ffast-math lets the compiler
+    # vectorize the dot products' sums and exp (glibc's vector math); the kernel has no
+    # infinities or NaNs to lose (it visits only the tokens in context).
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:12]
+    try:
+        return load(f"quantpipe_paged_decode_{key}", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math"],
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: the torch path still works
+        log.warning("CPU paged decode kernel unavailable (%s): decode attention uses gather + GEMMs",
+                    str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return None

@@ -1,0 +1,117 @@
+// Decode attention on CPU straight from the paged KV cache: one query token per sequence,
+// K/V read where they lie in their blocks (no gathered copy), float32 scores and softmax.
+// One task per (sequence, KV head): the query heads sharing that KV head are scored together,
+// so each K/V row is loaded once for all of them. Runs on torch's intra-op thread pool.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(const c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(const float x) { return x; }
+
+template <typename T>
+void decode(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lens, T* out,
+            int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
+            int64_t block_size, float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), scores, row(dim), acc(group * dim);
+    std::vector<int64_t> slots;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads, ctx = lens[b];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d)
+          qf[g * dim + d] = to_float(q[(b * heads + h * group + g) * dim + d]) * scale;
+      scores.assign(group * ctx, 0.f);
+      // Slots of the sequence's tokens, block by block (no division per token).
+      slots.resize(ctx);
+      for (int64_t blk = 0, t = 0; t < ctx; ++blk)
+        for (int64_t o = 0, base = table[b * max_blocks + blk] * block_size; o < block_size && t < ctx; ++o, ++t)
+          slots[t] = base + o;
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* kr = k + (slots[t] * kv_heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kr[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * dim;
+          float s = 0.f;
+          for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
+          scores[g * ctx + t] = s;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * ctx;
+        float m = sg[0], sum = 0.f;  // ctx >= 1: every decode attends to its own new token
+        for (int64_t t = 1; t < ctx; ++t) m = std::max(m, sg[t]);
+        for (int64_t t = 0; t < ctx; ++t) sum += (sg[t] = std::exp(sg[t] - m));
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < ctx; ++t) sg[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* vr = v + (slots[t] * kv_heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vr[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * ctx + t];
+          float* ag = acc.data() + g * dim;
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d)
+          out[(b * heads + h * group + g) * dim + d] = static_cast<T>(acc[g * dim + d]);
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor context_lens, int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "q [B, H, D] and K/V caches [slots, KVH, D] expected");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the K/V caches must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(2) == k_cache.size(2), "head counts or sizes differ");
+  q = q.contiguous();
+  auto table = block_table.to(torch::kLong).contiguous();
+  auto lens = context_lens.to(torch::kLong).contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "K/V caches must be contiguous");
+  TORCH_CHECK(table.size(0) == q.size(0) && lens.size(0) == q.size(0), "one block table row and length per query");
+  // Bounds first: the kernel reads the cache through these indices unchecked.
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  TORCH_CHECK(block_size >= 1 && k_cache.size(0) % block_size == 0, "block_size must divide the cache's slots");
+  if (q.size(0) > 0) {
+    TORCH_CHECK(lens.min().item<int64_t>() >= 1 && lens.max().item<int64_t>() <= table.size(1) * block_size,
+                "context_lens must be in [1, block_table columns * block_size]");
+    TORCH_CHECK(table.min().item<int64_t>() >= 0 && table.max().item<int64_t>() < num_blocks,
+                "block_table holds a block id outside the cache");
+  }
+  auto out = torch::empty_like(q);
+  const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
+  if (q.scalar_type() == torch::kBFloat16) {
+    decode(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+           table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), q.size(0),
+           q.size(1), k_cache.size(1), q.size(2), table.size(1), block_size, scale);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat, "bfloat16 or float32 only");
+    decode(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table.data_ptr<int64_t>(),
+           lens.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(1), q.size(2),
+           table.size(1), block_size, scale);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache",
+        py::call_guard<py::gil_scoped_release>());
+}
