@@ -42,10 +42,13 @@ def kernel():
     # -march=native: the build is keyed by the CPU's flags, so a cache shared between
     # machines never hands one CPU's instructions to another. -ffast-math lets the compiler
     # vectorize the dot products' sums and exp (glibc's vector math); the kernel has no
-    # infinities or NaNs to lose (it visits only the tokens in context).
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:12]
+    # infinities or NaNs to lose (it visits only the tokens in context). -fopenmp: ATen's
+    # parallel_for is OpenMP inside the headers; without it the kernel ran on one thread.
+    cflags, ldflags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-fopenmp"]
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+                         + " ".join(cflags).encode()).hexdigest()[:12]
     try:
-        return load(f"quantpipe_paged_decode_{key}", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math"],
+        return load(f"quantpipe_paged_decode_{key}", [str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
                     verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: the torch path still works
         log.warning("CPU paged decode kernel unavailable (%s): decode attention uses gather + GEMMs",

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -19,10 +20,13 @@ inline float to_float(const c10::BFloat16 x) {
 }
 inline float to_float(const float x) { return x; }
 
-template <typename T>
+// kDim > 0: head_dim fixed at compile time (64, 128), so the inner loops unroll into whole
+// vectors with no remainder handling; 0: any head_dim.
+template <typename T, int64_t kDim>
 void decode(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lens, T* out,
-            int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
+            int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_blocks,
             int64_t block_size, float scale) {
+  const int64_t dim = kDim > 0 ? kDim : head_dim;
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), scores, row(dim), acc(group * dim);
@@ -52,7 +56,8 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table, const int6
         float* sg = scores.data() + g * ctx;
         float m = sg[0], sum = 0.f;  // ctx >= 1: every decode attends to its own new token
         for (int64_t t = 1; t < ctx; ++t) m = std::max(m, sg[t]);
-        for (int64_t t = 0; t < ctx; ++t) sum += (sg[t] = std::exp(sg[t] - m));
+        for (int64_t t = 0; t < ctx; ++t) sg[t] = std::exp(sg[t] - m);
+        for (int64_t t = 0; t < ctx; ++t) sum += sg[t];
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < ctx; ++t) sg[t] *= inv;
       }
@@ -96,16 +101,21 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
   auto out = torch::empty_like(q);
   const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
-  if (q.scalar_type() == torch::kBFloat16) {
-    decode(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-           table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), q.size(0),
-           q.size(1), k_cache.size(1), q.size(2), table.size(1), block_size, scale);
-  } else {
-    TORCH_CHECK(q.scalar_type() == torch::kFloat, "bfloat16 or float32 only");
-    decode(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table.data_ptr<int64_t>(),
-           lens.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(1), q.size(2),
-           table.size(1), block_size, scale);
-  }
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat, "bfloat16 or float32 only");
+  auto run = [&](auto* tag, auto dim_tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    decode<T, decltype(dim_tag)::value>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                                        table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(),
+                                        q.size(0), q.size(1), k_cache.size(1), q.size(2), table.size(1),
+                                        block_size, scale);
+  };
+  auto by_dim = [&](auto* tag) {
+    if (q.size(2) == 64) run(tag, std::integral_constant<int64_t, 64>{});
+    else if (q.size(2) == 128) run(tag, std::integral_constant<int64_t, 128>{});
+    else run(tag, std::integral_constant<int64_t, 0>{});
+  };
+  if (q.scalar_type() == torch::kBFloat16) by_dim(static_cast<c10::BFloat16*>(nullptr));
+  else by_dim(static_cast<float*>(nullptr));
   return out;
 }
 
