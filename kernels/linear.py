@@ -13,47 +13,54 @@ from quantpipe.quantize.pack import pack_int32
 from quantpipe.runtime.model.quantized import QuantWeight
 
 
-class TritonMixedLinear(nn.Module):
-    """W4A16 / W8A16 through the mixed-input GEMM, weights packed as compressed-tensors stores them."""
-
-    kernel = "triton-mixed"
-
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 configs: dict[int, GemmConfig]):
-        super().__init__()
-        self.out_features, self.in_features = qw.q.shape
-        self.bits, self.group_size, self.configs = qw.num_bits, qw.group_size, configs
-        self.register_buffer("weight_packed", pack_int32(qw.q, qw.num_bits))
-        self.register_buffer("weight_scale", qw.scale.float().contiguous())
-        self.register_buffer("weight_zero", None if qw.zero is None else qw.zero.float().contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        y = mixed_gemm(x2, self.weight_packed, self.weight_scale, self.weight_zero, self.bits, self.group_size,
-                       KernelPlan.pick(self.configs, x2.shape[0]))
-        y = y.reshape(*shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
-class TritonW8A8Linear(nn.Module):
-    """W8A8 through the fused per-token quantization and the INT8 GEMM."""
-
-    kernel = "triton-w8a8"
+class _TritonLinear(nn.Module):
+    """Shapes, bias and the per-bucket config choice; subclasses hold the weights and call their kernel."""
 
     def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  configs: dict[int, GemmConfig]):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
         self.configs = configs
-        self.register_buffer("weight_q", qw.q.contiguous())
-        self.register_buffer("weight_scale", qw.scale.reshape(-1).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def matmul(self, x: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = w8a8_gemm(x2, self.weight_q, self.weight_scale, KernelPlan.pick(self.configs, x2.shape[0]))
-        y = y.reshape(*shape[:-1], self.out_features)
+        y = self.matmul(x2, KernelPlan.pick(self.configs, x2.shape[0])).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class TritonMixedLinear(_TritonLinear):
+    """W4A16 / W8A16 through the mixed-input GEMM, weights packed as compressed-tensors stores them."""
+
+    kernel = "triton-mixed"
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 configs: dict[int, GemmConfig]):
+        super().__init__(qw, bias, dtype, configs)
+        self.bits, self.group_size = qw.num_bits, qw.group_size
+        self.register_buffer("weight_packed", pack_int32(qw.q, qw.num_bits))
+        self.register_buffer("weight_scale", qw.scale.float().contiguous())
+        self.register_buffer("weight_zero", None if qw.zero is None else qw.zero.float().contiguous())
+
+    def matmul(self, x: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+        return mixed_gemm(x, self.weight_packed, self.weight_scale, self.weight_zero, self.bits, self.group_size,
+                          config)
+
+
+class TritonW8A8Linear(_TritonLinear):
+    """W8A8 through the fused per-token quantization and the INT8 GEMM."""
+
+    kernel = "triton-w8a8"
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 configs: dict[int, GemmConfig]):
+        super().__init__(qw, bias, dtype, configs)
+        self.register_buffer("weight_q", qw.q.contiguous())
+        self.register_buffer("weight_scale", qw.scale.reshape(-1).float().contiguous())
+
+    def matmul(self, x: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+        return w8a8_gemm(x, self.weight_q, self.weight_scale, config)

@@ -2,12 +2,13 @@
 
 The cache of one layer holds slots `[num_blocks * block_size, kv_heads, head_dim]`
 (slot = block_id * block_size + offset) in the model dtype or 8-bit (kv_cache.py). New
-K/V are written into their slots, then each query reads only its own request's slots. Decodes (one query token)
-are sorted by context length and batched into a few SDPA calls over padded slot
-tables (grouping similar lengths keeps padding small); prefill chunks run one SDPA
-call each. On CUDA, decodes instead take quantpipe.kernels' paged decode kernel when the
-runner sets `decode_kernel`: it reads K/V straight from the blocks (dequantizing INT8 as
-it loads), with no gathered copy.
+K/V are written into their slots, then each query reads only its own request's slots.
+Decodes (one query token) take the runner's `decode_kernel` when it has one (CPU:
+csrc/paged_decode.cpp for caches in the model dtype; CUDA: quantpipe.kernels' Triton
+kernel, INT8 too), which reads K/V straight from the blocks. Otherwise they are sorted by
+context length into a few groups over padded slot tables (grouping similar lengths keeps
+padding small), each gathered and attended with two GEMMs. Prefill chunks run one SDPA
+call each.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class DecodeGroup:
     q_start: int
     count: int
     block_table: torch.Tensor  # [count, max_blocks]
-    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size], True where attended
-    context_lens: torch.Tensor | None = None  # [count] keys each query attends to
+    mask: torch.Tensor | None  # [count, 1, 1, max_blocks * block_size], True where attended (torch path)
+    context_lens: torch.Tensor  # [count] keys each query attends to
 
 
 @dataclass
@@ -47,7 +48,7 @@ class AttentionMetadata:
     block_size: int
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # (q [B, H, D], cache, block_table, context_lens, block_size) -> [B, H, D]; None: gather + SDPA
+    # (q [B, H, D], cache, block_table, context_lens, block_size) -> [B, H, D]; None: gather + GEMMs
     decode_kernel: Callable | None = None
 
 

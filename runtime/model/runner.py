@@ -85,7 +85,7 @@ class ModelRunner:
         )
         return sampled, logits
 
-    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         bs = self.block_size
         ctx = [c.end for c in decodes]
         max_blocks = -(-max(ctx) // bs)
@@ -95,8 +95,11 @@ class ModelRunner:
             device=self.device,
         )
         lens = torch.tensor(ctx, device=self.device)
+        if self.decode_kernel is not None:  # it reads the lengths; the mask is the torch path's
+            return table, None, lens
         mask = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
         return table, mask[:, None, None, :], lens
+
 
 def _cuda_decode_kernel(model: LlamaForCausalLM, block_size: int):
     """quantpipe.kernels' paged decode for this model's KV cache on CUDA, or None (said why)."""
@@ -112,7 +115,7 @@ def _cuda_decode_kernel(model: LlamaForCausalLM, block_size: int):
         except ImportError as e:
             reason = f"triton is not importable ({e})"
     if reason:
-        log.warning("decode attention uses gather + SDPA: the Triton paged decode kernel has no case for %s", reason)
+        log.warning("decode attention uses gather + GEMMs: the Triton paged decode kernel has no case for %s", reason)
         return None
     return paged_decode
 

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -25,23 +26,38 @@ inline float to_float(const float x) { return x; }
 template <typename T, int64_t kDim>
 void decode(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lens, T* out,
             int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_blocks,
-            int64_t block_size, float scale) {
+            int64_t block_size, int64_t num_slots, float scale) {
   const int64_t dim = kDim > 0 ? kDim : head_dim;
   const int64_t group = heads / kv_heads;
+  // Bounds are checked where the indices are read anyway (not in extra passes per layer);
+  // a bad sequence is skipped and reported once all tasks are done.
+  const int64_t num_blocks = num_slots / block_size;
+  std::atomic<bool> bad_len{false}, bad_block{false};
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), scores, row(dim), acc(group * dim);
     std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads, ctx = lens[b];
+      if (ctx < 1 || ctx > max_blocks * block_size) {
+        bad_len = true;
+        continue;
+      }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < dim; ++d)
           qf[g * dim + d] = to_float(q[(b * heads + h * group + g) * dim + d]) * scale;
       scores.assign(group * ctx, 0.f);
       // Slots of the sequence's tokens, block by block (no division per token).
       slots.resize(ctx);
-      for (int64_t blk = 0, t = 0; t < ctx; ++blk)
-        for (int64_t o = 0, base = table[b * max_blocks + blk] * block_size; o < block_size && t < ctx; ++o, ++t)
-          slots[t] = base + o;
+      bool in_cache = true;
+      for (int64_t blk = 0, t = 0; t < ctx; ++blk) {
+        const int64_t id = table[b * max_blocks + blk];
+        in_cache = in_cache && id >= 0 && id < num_blocks;
+        for (int64_t o = 0; o < block_size && t < ctx; ++o, ++t) slots[t] = id * block_size + o;
+      }
+      if (!in_cache) {
+        bad_block = true;
+        continue;
+      }
       for (int64_t t = 0; t < ctx; ++t) {
         const T* kr = k + (slots[t] * kv_heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kr[d]);
@@ -76,6 +92,8 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table, const int6
           out[(b * heads + h * group + g) * dim + d] = static_cast<T>(acc[g * dim + d]);
     }
   });
+  TORCH_CHECK(!bad_len, "context_lens must be in [1, block_table columns * block_size]");
+  TORCH_CHECK(!bad_block, "block_table holds a block id outside the cache");
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -90,15 +108,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto lens = context_lens.to(torch::kLong).contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "K/V caches must be contiguous");
   TORCH_CHECK(table.size(0) == q.size(0) && lens.size(0) == q.size(0), "one block table row and length per query");
-  // Bounds first: the kernel reads the cache through these indices unchecked.
-  const int64_t num_blocks = k_cache.size(0) / block_size;
   TORCH_CHECK(block_size >= 1 && k_cache.size(0) % block_size == 0, "block_size must divide the cache's slots");
-  if (q.size(0) > 0) {
-    TORCH_CHECK(lens.min().item<int64_t>() >= 1 && lens.max().item<int64_t>() <= table.size(1) * block_size,
-                "context_lens must be in [1, block_table columns * block_size]");
-    TORCH_CHECK(table.min().item<int64_t>() >= 0 && table.max().item<int64_t>() < num_blocks,
-                "block_table holds a block id outside the cache");
-  }
   auto out = torch::empty_like(q);
   const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat, "bfloat16 or float32 only");
@@ -107,7 +117,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     decode<T, decltype(dim_tag)::value>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                                         table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(),
                                         q.size(0), q.size(1), k_cache.size(1), q.size(2), table.size(1),
-                                        block_size, scale);
+                                        block_size, k_cache.size(0), scale);
   };
   auto by_dim = [&](auto* tag) {
     if (q.size(2) == 64) run(tag, std::integral_constant<int64_t, 64>{});
