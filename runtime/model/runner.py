@@ -12,6 +12,7 @@ import torch
 
 from quantpipe.runtime.engine.scheduler import ScheduledChunk
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from quantpipe.runtime.model.blocked_linear import block_wide_linears
 from quantpipe.runtime.model.kv_cache import bytes_per_token, layer_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
 
@@ -27,6 +28,9 @@ class ModelRunner:
         self.kv_caches = [layer_cache(model, i, num_blocks * block_size, device) for i in range(cfg.num_layers)]
         self.decode_kernel = _cuda_decode_kernel(model, block_size) if device.type == "cuda" else \
             _cpu_decode_kernel(model)
+        blocked = block_wide_linears(model, device)
+        if blocked:
+            log.info("float32 GEMMs in row blocks at few rows: %d wide Linear layers", len(blocked))
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
