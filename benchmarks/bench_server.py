@@ -129,8 +129,8 @@ def run_server(prompts, outputs, concurrency: int, request_log: str | None = Non
 
 
 def run_vllm_server(python: str, model_dir: str, dtype: str, prompts, outputs, concurrency: int) -> dict:
-    # Settings as bench_engine.py's offline vLLM run: its KV space matches our 512 MiB only
-    # in order of magnitude (vLLM takes whole GiB), and neither side runs short of blocks.
+    # vLLM sizes its KV cache in whole GiB: 1 GiB against our 512 MiB, so neither side runs
+    # short of blocks; at most `concurrency` sequences, as the client keeps in flight.
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
            "--model", model_dir, "--dtype", dtype, "--max-model-len", str(ENGINE_FLAGS["max_model_len"]),
@@ -256,14 +256,13 @@ def against_vllm(prompts, outputs, args) -> int:
     from quantpipe.runtime.llm_engine import resolve_dtype
     from quantpipe.runtime.model.export import export_hf
     from quantpipe.runtime.model.loader import load_model
-    from quantpipe.runtime.model.tokenizer import load_tokenizer
 
     dtype = resolve_dtype(ENGINE_FLAGS["dtype"], torch.device("cpu"))
     vllm_dtype = str(dtype).removeprefix("torch.")
     ours, theirs = [], []
     with tempfile.TemporaryDirectory(prefix="quantpipe-hf-") as hf_dir:
-        model = load_model(None, dtype)[0]
-        export_hf(model, load_tokenizer(), hf_dir)
+        model, _, tokenizer = load_model(None, dtype)
+        export_hf(model, tokenizer, hf_dir)
         del model
         gc.collect()
         for i in range(args.repeats):

@@ -46,7 +46,5 @@ def block_wide_linears(model: nn.Module, device: torch.device) -> list[str]:
     names = [name for name, m in model.named_modules()
              if type(m) is nn.Linear and m.out_features > BLOCK_ROWS and m.weight.dtype == torch.float32]
     for name in names:
-        parent, _, attr = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, attr, RowBlockedLinear(getattr(owner, attr)))
+        model.set_submodule(name, RowBlockedLinear(model.get_submodule(name)))
     return names
