@@ -150,37 +150,36 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def gguf_config(reader) -> ModelConfig:
-    from quantpipe.runtime.model.tokenizer import _gguf_field as field
-
-    arch = field(reader, "general.architecture")
+def gguf_config(gguf) -> ModelConfig:
+    field = gguf.get
+    arch = field("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHS)}")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    if any(t.name == "rope_freqs.weight" for t in gguf.tensors):
         raise ValueError("GGUF tensor rope_freqs.weight (rope scaling) is not supported; load the HF folder instead")
-    scaling = field(reader, f"{arch}.rope.scaling.type")
+    scaling = field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported")
-    hidden = field(reader, f"{arch}.embedding_length")
-    heads = field(reader, f"{arch}.attention.head_count")
-    names = {t.name for t in reader.tensors}
-    tokens = reader.fields["tokenizer.ggml.tokens"]
+    hidden = field(f"{arch}.embedding_length")
+    heads = field(f"{arch}.attention.head_count")
+    names = {t.name for t in gguf.tensors}
+    tokens = gguf.metadata["tokenizer.ggml.tokens"]
     return ModelConfig(
         architecture=GGUF_ARCHS[arch],
-        vocab_size=field(reader, f"{arch}.vocab_size", len(tokens.data)),
+        vocab_size=field(f"{arch}.vocab_size", len(tokens)),
         hidden_size=hidden,
-        intermediate_size=field(reader, f"{arch}.feed_forward_length"),
-        num_layers=field(reader, f"{arch}.block_count"),
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        num_layers=field(f"{arch}.block_count"),
         num_heads=heads,
-        num_kv_heads=field(reader, f"{arch}.attention.head_count_kv", heads),
-        head_dim=field(reader, f"{arch}.attention.key_length", hidden // heads),
-        max_position_embeddings=field(reader, f"{arch}.context_length"),
-        rms_norm_eps=field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
-        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        num_kv_heads=field(f"{arch}.attention.head_count_kv", heads),
+        head_dim=field(f"{arch}.attention.key_length", hidden // heads),
+        max_position_embeddings=field(f"{arch}.context_length"),
+        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
     )
 
 
@@ -203,18 +202,18 @@ GGUF_NAMES = [
 
 
 def load_gguf(path: str, dtype: torch.dtype):
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    from quantpipe.runtime.model.gguf_file import read_gguf
     from quantpipe.runtime.model.tokenizer import tokenizer_from_gguf
 
-    reader = GGUFReader(path)
-    cfg = gguf_config(reader)
-    tokenizer = tokenizer_from_gguf(reader)
+    gguf = read_gguf(path)
+    cfg = gguf_config(gguf)
+    tokenizer = tokenizer_from_gguf(gguf)
     cfg.eos_token_ids = tokenizer.eos_token_ids
     permute = cfg.architecture == "LlamaForCausalLM"
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in gguf.tensors:
         for pattern, repl in GGUF_NAMES:
             if re.fullmatch(pattern, t.name):
                 name = re.sub(pattern, repl, t.name)

@@ -103,22 +103,16 @@ class IncrementalDetokenizer:
         return piece
 
 
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def tokenizer_from_gguf(reader) -> Tokenizer:
-    kind = _gguf_field(reader, "tokenizer.ggml.model")
+def tokenizer_from_gguf(gguf) -> Tokenizer:
+    """The tokenizer in a GGUF file's metadata (`gguf`: a `gguf_file.GGUFFile`)."""
+    kind = gguf.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    f = reader.fields["tokenizer.ggml.tokens"]
-    tokens = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-    mf = reader.fields["tokenizer.ggml.merges"]
-    merges = [tuple(bytes(mf.parts[i]).decode("utf-8").split(" ", 1)) for i in mf.data]
-    types = _gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    tokens = gguf.metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in gguf.metadata["tokenizer.ggml.merges"]]
+    types = gguf.get("tokenizer.ggml.token_type", [1] * len(tokens))
     backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    pre = _gguf_field(reader, "tokenizer.ggml.pre", "default")
+    pre = gguf.get("tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("smollm", "starcoder", "refact", "default", "gpt-2"):
         # These split digits one by one before the GPT-2 regex.
@@ -130,14 +124,14 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
     # Control (3) and user-defined (4) tokens are matched whole, never split by BPE.
     specials = [t for t, ty in zip(tokens, types) if ty in (3, 4)]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eos = gguf.get("tokenizer.ggml.eos_token_id")
     eos_ids = [eos] if eos is not None else []
     eos_ids += [i for i, t in enumerate(tokens) if t in END_OF_TURN_TOKENS and i not in eos_ids]
     return Tokenizer(
         backend=backend,
-        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_template=gguf.get("tokenizer.chat_template"),
+        bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
+        add_bos_token=bool(gguf.get("tokenizer.ggml.add_bos_token", False)),
         eos_token_ids=tuple(eos_ids),
         special_ids=frozenset(i for i, ty in enumerate(types) if ty == 3),
     )
@@ -185,10 +179,10 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(path: str, mtime_ns: int, size: int) -> Tokenizer:
-    # Reading a GGUF's metadata takes seconds (its 49k-token vocabulary is parsed field by
-    # field); stages that need only the tokenizer reuse one per file version.
+    # Building the BPE model from a 49k-token vocabulary takes about half a second; stages
+    # that need only the tokenizer reuse one per file version.
     if path.endswith(".gguf"):
-        from gguf import GGUFReader
+        from quantpipe.runtime.model.gguf_file import read_gguf
 
-        return tokenizer_from_gguf(GGUFReader(path))
+        return tokenizer_from_gguf(read_gguf(path))
     return tokenizer_from_hf(path)
