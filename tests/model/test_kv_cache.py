@@ -80,7 +80,10 @@ def test_int8_engine_frees_every_block_hits_the_prefix_cache_and_flips_only_near
     # batch it was chunked, preempted or padded among others. float32 K/V differ in their
     # last bits between those shapes, and 8-bit rounding can turn such a difference into
     # one step of the grid, so a greedy choice may flip, but only where the model is
-    # nearly tied between its top two tokens; anywhere else the outputs must agree.
+    # nearly tied between its top two tokens; anywhere else the outputs must agree. How many
+    # of the prompts meet such a tie depends on the CPU's float32 kernels (an AVX2 machine
+    # flipped at most 2 of these 8, an AVX-512 one 3, margins 0.02-0.09), so the margin is
+    # the check; a broken cache flips most prompts, at any margin.
     alone = [llm_int8.generate([p], params)[0] for p in prompts[:8]]
     flips = []
     for p, a, b in zip(prompts, alone, batched):
@@ -89,7 +92,7 @@ def test_int8_engine_frees_every_block_hits_the_prefix_cache_and_flips_only_near
             at = next(j for j in range(len(got)) if got[j] != ref[j])
             top = sequence_logits(eng.runner.model, p + got)[len(p) - 1 + at].topk(2).values
             flips.append((top[0] - top[1]).item())
-    assert len(flips) <= 2 and all(m < 0.1 for m in flips), flips
+    assert len(flips) < len(alone) / 2 and all(m < 0.1 for m in flips), flips
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
