@@ -160,11 +160,13 @@ def test_healthy_candidate_is_promoted(registry, w8a16_artifact, tmp_path):
     healthy = shutil.copytree(w8a16_artifact, tmp_path / "w8-again")
     v = publish(str(healthy), verdict_for(str(healthy), tmp_path / "r"), "smol", uri)["version"]
     port = _free_port()
-    proc = _canary(uri, "smol", port, _policy(tmp_path), "40s")
+    # 60 s: a 40 s window once ended inconclusive (exit 2, too few samples for a rule) on
+    # a loaded 2-core machine. The canary was right to say so; the test needs the traffic.
+    proc = _canary(uri, "smol", port, _policy(tmp_path), "60s")
     _wait_ready(f"http://127.0.0.1:{port}", proc)
     with Traffic(f"http://127.0.0.1:{port}") as traffic:
         out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 0, (out[-2000:], err[-2000:])
     assert f"smol: promoted version {v}" in out, out
     print(out)
     sides = {s for _, _, s in traffic.sides}
