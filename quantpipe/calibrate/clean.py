@@ -28,7 +28,11 @@ _API_KEY = re.compile(
 # `api_key = "..."`: the value goes, the name stays (it tells the model what the line is).
 _KEY_ASSIGN = re.compile(r"(?i)(\b(?:api[_-]?key|secret[_-]?key|access[_-]?token|auth[_-]?token)\b\s*[:=]\s*[\"']?)"
                          r"[A-Za-z0-9._/+-]{16,}")
-_KEY_HINTS = ("sk-", "AKIA", "gh", "xox", "AIza", "key", "KEY", "Key", "token", "TOKEN", "Token")
+_API_KEY_HINTS = ("sk-", "AKIA", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "xox", "AIza")
+_ASSIGN_HINTS = ("key", "KEY", "Key", "token", "TOKEN", "Token")
+# What every `api_key = ...` match contains; a charset-led pattern that re scans quickly,
+# while the full pattern (case-insensitive alternation) costs ~45 us on a 1 KB text.
+_ASSIGNED_VALUE = re.compile(r"[:=]\s*[\"']?[A-Za-z0-9._/+-]{16}")
 _EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
 _IPV6 = re.compile(r"\b(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}\b")
 # Runs of digits and separators long enough to be a card, an IPv4 address or a phone number.
@@ -83,8 +87,9 @@ def scrub(text: str, counts: dict[str, int]) -> str:
     """
     if "earer" in text:
         text = _sub(_BEARER, "BEARER_TOKEN", text, counts)
-    if any(h in text for h in _KEY_HINTS):
+    if any(h in text for h in _API_KEY_HINTS):
         text = _sub(_API_KEY, "API_KEY", text, counts)
+    if any(h in text for h in _ASSIGN_HINTS) and _ASSIGNED_VALUE.search(text):
         text, n = _KEY_ASSIGN.subn(r"\1<API_KEY>", text)
         if n:
             counts["API_KEY"] = counts.get("API_KEY", 0) + n
@@ -148,7 +153,21 @@ def minhash(norm: str) -> np.ndarray:
 
 
 def minhash_batch(norms: list[str]) -> np.ndarray:
-    """[len(norms), 32] MinHash signatures, computed for the whole batch in a few numpy calls.
+    """[len(norms), 32] MinHash signatures, 64 texts to a few numpy calls.
+
+    Groups of 64 keep the [shingles, 32] hash table in cache: 1,024 texts at once ran
+    about 5x slower per text.
+    """
+    if len(norms) > _GROUP:
+        return np.concatenate([_minhash_group(norms[i:i + _GROUP]) for i in range(0, len(norms), _GROUP)])
+    return _minhash_group(norms)
+
+
+_GROUP = 64
+
+
+def _minhash_group(norms: list[str]) -> np.ndarray:
+    """MinHash signatures of a few texts.
 
     The texts are laid end to end (separated by a window of spaces, so no shingle spans
     two texts); shingles start at word starts; each text's minimum is taken with reduceat.

@@ -44,6 +44,8 @@ def _ints(value: str | None) -> list[int] | None:
 @click.option("--cluster-k", default=None, help="k range for cluster strata, e.g. 2-12")
 @click.option("--allow-smaller", is_flag=True, default=None, help="take what is left when it is less than asked")
 @click.option("--overwrite", is_flag=True, default=None, help="replace an existing --out folder")
+@click.option("--workers", type=int, default=None, help="processes for the first pass [default: one per core for "
+              "logs over 32 MiB]; the output does not depend on it")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def calibrate_command(logs, more_logs, recipe, fmt, no_progress, **flags) -> int:
     from quantpipe.calibrate.stage import calibrate

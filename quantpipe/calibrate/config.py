@@ -42,6 +42,9 @@ class CalibConfig:
     cluster_k: list[int] = field(default_factory=lambda: [2, 12])  # k range searched by silhouette
     allow_smaller: bool = False
     overwrite: bool = False
+    # Processes for the first pass; None: one per core for logs over 32 MiB, else in-process.
+    # The output does not depend on it (so it is not a sampling parameter in the manifest).
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         self.strata = _as_list(self.strata, "strata")
@@ -77,6 +80,8 @@ class CalibConfig:
         if (len(self.cluster_k) != 2 or not all(isinstance(k, int) for k in self.cluster_k)
                 or not 2 <= self.cluster_k[0] <= self.cluster_k[1]):
             raise StageError(f"cluster_k must be [low, high] with 2 <= low <= high, got {self.cluster_k!r}")
+        if self.workers is not None and (not isinstance(self.workers, int) or not 1 <= self.workers <= 64):
+            raise StageError(f"workers must be an integer from 1 to 64, got {self.workers!r}")
         if "label" in self.strata and not self.label_field:
             raise StageError("strata: 'label' needs label_field (the column to stratify by)")
 
@@ -101,8 +106,8 @@ class CalibConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.pop("out")
-        d.pop("overwrite")
+        for name in ("out", "overwrite", "workers"):  # where and how fast, not what is sampled
+            d.pop(name)
         return d
 
 

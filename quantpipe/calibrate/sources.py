@@ -246,33 +246,44 @@ def read_file(path: str, file: int, fmt: str, cfg, stats: ReadStats, keys_seen: 
     if fmt in ("csv", "parquet"):
         yield from _read_table(path, file, fmt, cfg, stats, keys_seen, only)
         return
+    if fmt not in LINE_FORMATS:
+        raise StageError(f"format {fmt!r} cannot be read line by line")
+    if fmt == "jsonl" and not cfg.text_field:
+        raise StageError(f"--logs {path}: generic JSONL needs --text-field")
     for n, line, complete in open_lines(path):
         if only is not None and n not in only:
             continue
-        if not line.strip():
-            continue
-        stats.lines += 1
-        try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict):
-                raise BadLine("not a JSON object")
-            keys_seen.update(obj)
-            if fmt == "request-log":
-                yield parse_request_log(obj, file, n)
-            elif fmt == "chat":
-                yield parse_chat(obj, file, n)
-            elif fmt == "jsonl":
-                if not cfg.text_field:
-                    raise StageError(f"--logs {path}: generic JSONL needs --text-field")
-                yield parse_generic(obj, file, n, cfg.text_field, cfg.label_field)
-            else:
-                raise StageError(f"format {fmt!r} cannot be read line by line")
-        except (ValueError, BadLine) as e:
-            if not complete:  # the last line of a log cut by a crash: the format allows it
-                stats.torn_tail += 1
-                stats.lines -= 1
-            else:
-                stats.bad.append((file, n, str(e)[:200]))
+        rec = parse_line(line, file, n, complete, fmt, cfg, stats, keys_seen)
+        if rec is not None:
+            yield rec
+
+
+LINE_FORMATS = ("request-log", "chat", "jsonl")
+
+
+def parse_line(line: str, file: int, n: int, complete: bool, fmt: str, cfg, stats: ReadStats,
+               keys_seen: set[str]) -> Record | None:
+    """One line of a line-based format as a Record; None for a blank or malformed line (counted in stats)."""
+    if not line.strip():
+        return None
+    stats.lines += 1
+    try:
+        obj = json.loads(line)
+        if not isinstance(obj, dict):
+            raise BadLine("not a JSON object")
+        keys_seen.update(obj)
+        if fmt == "request-log":
+            return parse_request_log(obj, file, n)
+        if fmt == "chat":
+            return parse_chat(obj, file, n)
+        return parse_generic(obj, file, n, cfg.text_field, cfg.label_field)
+    except (ValueError, BadLine) as e:
+        if not complete:  # the last line of a log cut by a crash: the format allows it
+            stats.torn_tail += 1
+            stats.lines -= 1
+        else:
+            stats.bad.append((file, n, str(e)[:200]))
+    return None
 
 
 def _read_table(path: str, file: int, fmt: str, cfg, stats: ReadStats, keys_seen: set[str],

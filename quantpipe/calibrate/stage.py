@@ -1,9 +1,10 @@
 """`calibrate(CalibConfig) -> CalibSet`: production logs in, a stratified calibration set and a
 disjoint held-out set out, with a manifest and a coverage report.
 
-Two passes over the inputs keep memory flat for logs larger than RAM: the first keeps
-only a few numbers per record (where it is, its stratum, conversation, token count and
-MinHash signature); the second re-reads just the records that were sampled.
+Two passes over the inputs keep memory flat for logs larger than RAM: the first
+(`scan.first_pass`) keeps only a few numbers per record (where it is, its stratum,
+conversation, token count and MinHash signature); the second re-reads just the records
+that were sampled.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import numpy as np
 
 from quantpipe.calibrate import clean, report, strata
 from quantpipe.calibrate.config import CalibConfig
+from quantpipe.calibrate.scan import conversation_key, first_pass, render
 from quantpipe.calibrate.sources import BadLine, ReadStats, Record, detect_format, expand_inputs, read_batch, read_file
 from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output, write_json
 
 log = logging.getLogger("quantpipe.calibrate")
-_TOKENIZE_BATCH = 1024
 
 
 @dataclass
@@ -55,62 +56,30 @@ class CalibSet:
         return cls(path, manifest)
 
 
-def render(rec: Record, tokenizer) -> str:
-    """The text as the model sees it: prompt and reply, both pass through the quantized layers."""
-    if rec.text is not None:
-        return rec.text
-    if rec.messages is not None:
-        msgs = rec.messages + ([{"role": "assistant", "content": rec.reply}] if rec.reply else [])
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
-    return (rec.prompt or "") + rec.reply
-
-
-def conversation_key(rec: Record) -> str:
-    """metadata.conversation_id when present, else the hash of the first user message."""
-    cid = rec.labels.get("conversation_id")
-    if cid:
-        return "id:" + cid
-    if rec.messages:
-        first = next((m["content"] for m in rec.messages if m["role"] == "user"), rec.messages[0]["content"])
-    else:
-        first = rec.prompt if rec.prompt is not None else (rec.text or "")
-    return "h:" + hashlib.blake2b(first.encode("utf-8"), digest_size=8).hexdigest()
-
-
 def _records(files: list[str], formats: list[str], cfg: CalibConfig, stats: ReadStats,
-             keys_seen: set[str], only: dict[int, set[int]] | None = None) -> Iterator[Record]:
-    """Every file's records; with `only` ({file: line numbers}), just those lines."""
-    batch = [(i, f) for i, (f, fmt) in enumerate(zip(files, formats)) if fmt == "batch"]
-    for i, (path, fmt) in enumerate(zip(files, formats)):
-        if fmt != "batch" and (only is None or i in only):
-            yield from read_file(path, i, fmt, cfg, stats, keys_seen, None if only is None else only[i])
+             keys_seen: set[str], only: dict[int, set[int]] | None = None,
+             which: list[int] | None = None) -> Iterator[Record]:
+    """Every file's records (of the files `which`); with `only` ({file: line numbers}), just those lines."""
+    which = range(len(files)) if which is None else which
+    batch = [(i, files[i]) for i in which if formats[i] == "batch"]
+    for i in which:
+        if formats[i] != "batch" and (only is None or i in only):
+            yield from read_file(files[i], i, formats[i], cfg, stats, keys_seen, None if only is None else only[i])
     if batch:
         yield from read_batch(batch, stats, keys_seen)
 
 
-def _progress(total_bytes: int, enabled: bool):
+def _progress(enabled: bool):
     if not enabled:
         return None
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    prog = Progress(TextColumn("calibrate: {task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
-                    transient=True)
+    # Lines, not bytes: a compressed file's position says little about how far its lines are.
+    prog = Progress(TextColumn("calibrate: {task.description}"), BarColumn(),
+                    TextColumn("{task.completed:,.0f} lines"), TimeElapsedColumn(), transient=True)
     prog.start()
-    prog.add_task("reading logs", total=total_bytes)
+    prog.add_task("reading logs", total=None)
     return prog
-
-
-class _Features:
-    """Per kept record: the few numbers the sampling needs (no text)."""
-
-    def __init__(self) -> None:
-        self.where: list[tuple[int, int]] = []  # (file, line)
-        self.source_id: list[str] = []
-        self.values: list[tuple[str, ...]] = []  # stratum values except cluster, in key order
-        self.conv: list[str] = []
-        self.tokens: list[int] = []
-        self.sigs: list[np.ndarray] = []
-        self.texts: list[str] = []  # only when clustering
 
 
 def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
@@ -133,77 +102,15 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
     plain_keys = [k for k in keys if k != "cluster"]
     clustering = "cluster" in keys
 
-    stats, keys_seen = ReadStats(), set()
-    dropped: Counter[str] = Counter()
-    pii: dict[str, int] = {t: 0 for t in clean.PII_TYPES}
-    seen_exact: set[bytes] = set()
-    label_keys: Counter[str] = Counter()
-    endpoints_seen: Counter[str] = Counter()
-    feats = _Features()
-    pending: list[tuple[Record, str, dict]] = []
-
-    def flush() -> None:
-        encoded = tokenizer.backend.encode_batch([t for _, t, _ in pending], add_special_tokens=False)
-        sigs = clean.minhash_batch([clean.normalize(t) for _, t, _ in pending])
-        for (rec, text, labels), enc, sig in zip(pending, encoded, sigs):
-            n = len(enc.ids)
-            if n < cfg.min_tokens:
-                dropped["too_short"] += 1
-                continue
-            values = []
-            for k in plain_keys:
-                if k == "length":
-                    values.append(strata.length_bucket(n, cfg.length_edges))
-                elif k == "endpoint":
-                    values.append(rec.endpoint or strata.MISSING)
-                elif k == "model":
-                    values.append(rec.model or strata.MISSING)
-                elif k == "label":
-                    values.append(labels.get("label", strata.MISSING))
-                else:
-                    values.append(labels.get(k.removeprefix("metadata."), strata.MISSING))
-            feats.where.append((rec.file, rec.line))
-            feats.source_id.append(rec.source_id)
-            feats.values.append(tuple(values))
-            feats.conv.append(conversation_key(rec))
-            feats.tokens.append(n)
-            feats.sigs.append(sig)
-            if clustering:
-                feats.texts.append(text)
-        pending.clear()
-
-    total_bytes = sum(os.path.getsize(f) for f in files)
-    prog = _progress(total_bytes, progress)
+    prog = _progress(progress)
     try:
-        for rec in _records(files, formats, cfg, stats, keys_seen):
-            label_keys.update(rec.labels)
-            endpoints_seen[rec.endpoint or strata.MISSING] += 1
-            if rec.status not in cfg.include_status:
-                dropped[f"status_{rec.status}"] += 1
-                continue
-            try:
-                text = render(rec, tokenizer)
-            except ValueError:
-                dropped["chat_template_failed"] += 1
-                continue
-            text = clean.scrub(text, pii)
-            labels = {k: clean.scrub(v, pii) for k, v in rec.labels.items()}
-            key = clean.exact_key(text)
-            if key in seen_exact:
-                dropped["exact_duplicate"] += 1
-                continue
-            seen_exact.add(key)
-            pending.append((rec, text, labels))
-            if len(pending) >= _TOKENIZE_BATCH:
-                flush()
-                if prog:
-                    prog.update(prog.task_ids[0], completed=min(total_bytes, total_bytes * rec.file // len(files)))
-        if pending:
-            flush()
+        scan = first_pass(files, formats, cfg, tokenizer, plain_keys, clustering,
+                          lambda which, st, ks: _records(files, formats, cfg, st, ks, which=which),
+                          progress=prog and (lambda lines: prog.update(prog.task_ids[0], completed=lines)))
     finally:
         if prog:
             prog.stop()
-    seen_exact.clear()
+    stats, keys_seen, label_keys, dropped = scan.stats, scan.keys_seen, scan.label_keys, scan.dropped
 
     # -- bad input that is only known after reading ---------------------------------------
     if stats.lines == 0:
@@ -221,37 +128,38 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
         if k == "label" and "label" not in label_keys:
             raise StageError(f"strata: label_field {cfg.label_field!r} is in no record; "
                              f"fields found: {', '.join(sorted(keys_seen))}")
-    if cfg.text_field and "jsonl" in formats and not feats.where and not any(
+    if cfg.text_field and "jsonl" in formats and not len(scan) and not any(
             cfg.text_field.split(".")[0] == k for k in keys_seen):
         raise StageError(f"text_field {cfg.text_field!r} is in no record; fields found: {', '.join(sorted(keys_seen))}")
-    if not feats.where:
+    if not len(scan):
         raise StageError(f"no text is left after cleaning ({dict(dropped)}); see --include-status and --min-tokens")
 
     # -- near-duplicates: one per group survives (the earliest) ---------------------------
-    groups = clean.near_dup_groups(np.stack(feats.sigs), cfg.near_dup_threshold)
+    groups = clean.near_dup_groups(scan.signatures(), cfg.near_dup_threshold)
+    scan.sig_chunks = []
     keep = np.flatnonzero(groups == np.arange(len(groups)))
     dropped["near_duplicate"] = int(len(groups) - len(keep))
-    feats.sigs = []
 
-    values = [feats.values[i] for i in keep]
+    values = [scan.values[scan.stratum[i]] for i in keep]
     cluster_info = None
     if clustering:
-        names, cluster_info = strata.cluster_labels([feats.texts[i] for i in keep], tuple(cfg.cluster_k), cfg.seed)
+        names, cluster_info = strata.cluster_labels([scan.texts[i] for i in keep], tuple(cfg.cluster_k), cfg.seed)
         values = [v + (c,) for v, c in zip(values, names)]
-        feats.texts = []
+        scan.texts = []
     order_keys = plain_keys + (["cluster"] if clustering else [])
     # Names list the keys in the order the user gave them.
     names_of = [strata.stratum_name({k: v[order_keys.index(k)] for k in keys}, keys) for v in values]
 
-    sel = _select(cfg, keep, names_of, [feats.conv[i] for i in keep], [feats.tokens[i] for i in keep])
+    sel = _select(cfg, keep, names_of, [scan.conv[i] for i in keep], [scan.tokens[i] for i in keep])
     calib_idx, heldout_idx, table, under = sel
 
     # -- second pass: the sampled records' texts ------------------------------------------
     wanted: dict[tuple[int, int], tuple[str, int]] = {}
     for which, idx in (("calib", calib_idx), ("heldout", heldout_idx)):
         for j in idx:
-            wanted[feats.where[keep[j]]] = (which, j)
+            wanted[scan.file[keep[j]], scan.line[keep[j]]] = (which, j)
     texts: dict[int, str] = {}
+    ids: dict[int, tuple[str, str]] = {}  # (source id, conversation)
     only: dict[int, set[int]] = defaultdict(set)
     for f, n in wanted:
         only[f].add(n)
@@ -261,6 +169,7 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
             continue
         try:
             texts[hit[1]] = clean.scrub(render(rec, tokenizer), {})
+            ids[hit[1]] = rec.source_id, conversation_key(rec)
         except (ValueError, BadLine):  # the file changed between the passes
             raise StageError(f"--logs {files[rec.file]} changed while being read (line {rec.line})") from None
     if len(texts) != len(wanted):
@@ -268,11 +177,10 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
 
     def rows(idx: list[int]) -> list[dict]:
         out = []
-        for j in sorted(idx, key=lambda j: (names_of[j], feats.where[keep[j]])):
-            i = keep[j]
+        for j in sorted(idx, key=lambda j: (names_of[j], scan.file[keep[j]], scan.line[keep[j]])):
             v = {k: values[j][order_keys.index(k)] for k in keys}
-            out.append({"text": texts[j], "stratum": names_of[j], "strata": v, "source_id": feats.source_id[i],
-                        "num_tokens": feats.tokens[i], "conversation": feats.conv[i]})
+            out.append({"text": texts[j], "stratum": names_of[j], "strata": v, "source_id": ids[j][0],
+                        "num_tokens": scan.tokens[keep[j]], "conversation": ids[j][1]})
         return out
 
     calib_rows, heldout_rows = rows(calib_idx), rows(heldout_idx)
@@ -282,19 +190,19 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
                    for f, fmt in zip(files, formats)],
         "parameters": cfg.to_dict(),
         "lines_read": stats.lines,
-        "counts": {"records": sum(endpoints_seen.values()), "cleaned": int(len(keep)),
+        "counts": {"records": sum(scan.endpoints.values()), "cleaned": int(len(keep)),
                    "calib": len(calib_rows), "heldout": len(heldout_rows)},
         "dropped": {"malformed_line": len(stats.bad), "torn_last_line": stats.torn_tail,
                     "batch_unanswered": stats.unanswered, **dict(sorted(dropped.items()))},
         "malformed_lines": [{"file": files[f], "line": n, "reason": why} for f, n, why in stats.bad[:100]],
-        "pii_scrubbed": pii,
+        "pii_scrubbed": scan.pii,
         "strata": table,
         "under_covered": under,
         "clusters": cluster_info,
         "tokenizer": {"model": os.path.basename(os.path.normpath(model_path)),
                       "model_sha256": sha256_file(model_path) if os.path.isfile(model_path) else None,
                       "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()},
-        "length_histogram": _histograms(cfg.length_edges, [feats.tokens[i] for i in keep],
+        "length_histogram": _histograms(cfg.length_edges, [scan.tokens[i] for i in keep],
                                         [r["num_tokens"] for r in calib_rows], [r["num_tokens"] for r in heldout_rows]),
         "seed": cfg.seed,
     }
