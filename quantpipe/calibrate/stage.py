@@ -148,7 +148,9 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
         scan.texts = []
     order_keys = plain_keys + (["cluster"] if clustering else [])
     # Names list the keys in the order the user gave them.
-    names_of = [strata.stratum_name({k: v[order_keys.index(k)] for k in keys}, keys) for v in values]
+    name_of: dict[tuple[str, ...], str] = {}  # one string per stratum, shared by its records
+    names_of = [name_of.get(v) or name_of.setdefault(v, strata.stratum_name(
+        {k: v[order_keys.index(k)] for k in keys}, keys)) for v in values]
 
     sel = _select(cfg, keep, names_of, [scan.conv[i] for i in keep], [scan.tokens[i] for i in keep])
     calib_idx, heldout_idx, table, under = sel
