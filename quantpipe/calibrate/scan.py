@@ -1,10 +1,9 @@
 """The first pass over the logs: every record reduced to the few numbers sampling needs.
 
-Per record it keeps where it is, its stratum values, a hash of its conversation, its
-token count, a hash of its text (exact duplicates) and a MinHash signature (near
-duplicates), in flat arrays: about 170 bytes a record, so a log of millions fits in
-memory while its text does not. The sampled records' text, source id and conversation
-name are read again in the second pass.
+Per record it keeps where it is, its stratum and conversation (indexes into their
+distinct values), its token count, a hash of its text (exact duplicates) and a MinHash
+signature (near duplicates), in flat arrays: a log of millions fits in memory while its
+text does not. The sampled records' text and source id are read again in the second pass.
 
 Line-based logs are cut into chunks that worker processes parse, render, scrub, count
 and hash; the main process reads the lines and merges the results in log order, so the
@@ -47,11 +46,12 @@ class Scan:
     file: array = field(default_factory=lambda: array("i"))
     line: array = field(default_factory=lambda: array("q"))
     stratum: array = field(default_factory=lambda: array("i"))  # index into `values`
-    conv: array = field(default_factory=lambda: array("Q"))  # 64-bit hash of the conversation key
+    conv: array = field(default_factory=lambda: array("i"))  # index into `conversations`
     tokens: array = field(default_factory=lambda: array("i"))
     sig_chunks: list = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # only when clustering
     values: list[tuple[str, ...]] = field(default_factory=list)  # distinct stratum values (except cluster)
+    conversations: list[str] = field(default_factory=list)  # distinct conversation keys
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -130,7 +130,7 @@ class _Featurizer:
                     values.append(labels.get("label", strata.MISSING))
                 else:
                     values.append(labels.get(k.removeprefix("metadata."), strata.MISSING))
-            out["kept"].append((rec.file, rec.line, tuple(values), _hash64(conversation_key(rec)), n,
+            out["kept"].append((rec.file, rec.line, tuple(values), conversation_key(rec), n,
                                 _hash64(text), text if self.clustering else None))
         out["sigs"] = sigs
         out["replayed"], out["encoded"] = self.counter.fast, self.counter.encoded
@@ -149,6 +149,7 @@ def first_pass(files: list[str], formats: list[str], cfg, tokenizer, plain_keys:
     feat = _Featurizer(cfg, tokenizer, plain_keys, clustering)
     seen_text: set[int] = set()
     stratum_of: dict[tuple[str, ...], int] = {}
+    conv_of: dict[str, int] = {}
 
     def merge(out: dict) -> None:
         scan.label_keys.update(out["label_keys"])
@@ -173,7 +174,7 @@ def first_pass(files: list[str], formats: list[str], cfg, tokenizer, plain_keys:
             scan.file.append(file)
             scan.line.append(line)
             scan.stratum.append(stratum_of.setdefault(values, len(stratum_of)))
-            scan.conv.append(conv)
+            scan.conv.append(conv_of.setdefault(conv, len(conv_of)))
             scan.tokens.append(n)
             if text is not None:
                 scan.texts.append(text)
@@ -214,6 +215,7 @@ def first_pass(files: list[str], formats: list[str], cfg, tokenizer, plain_keys:
         if chunk:
             merge(feat.chunk(chunk))
     scan.values = list(stratum_of)
+    scan.conversations = list(conv_of)
     return scan
 
 

@@ -152,7 +152,8 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
     names_of = [name_of.get(v) or name_of.setdefault(v, strata.stratum_name(
         {k: v[order_keys.index(k)] for k in keys}, keys)) for v in values]
 
-    sel = _select(cfg, keep, names_of, [scan.conv[i] for i in keep], [scan.tokens[i] for i in keep])
+    sel = _select(cfg, keep, names_of, [scan.conv[i] for i in keep], scan.conversations,
+                  [scan.tokens[i] for i in keep])
     calib_idx, heldout_idx, table, under = sel
 
     # -- second pass: the sampled records' texts ------------------------------------------
@@ -223,8 +224,12 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
     return CalibSet(Path(cfg.out), manifest)
 
 
-def _select(cfg: CalibConfig, keep: np.ndarray, names: list[str], convs: list[str], tokens: list[int]):
-    """Held-out first (whole conversations), then the calibration sample from the rest."""
+def _select(cfg: CalibConfig, keep: np.ndarray, names: list[str], convs: list[int], conv_keys: list[str],
+            tokens: list[int]):
+    """Held-out first (whole conversations), then the calibration sample from the rest.
+
+    `convs[j]` indexes `conv_keys`, the conversations' keys.
+    """
     n = len(names)
     counts = Counter(names)
     n_strata = len(counts)
@@ -236,11 +241,11 @@ def _select(cfg: CalibConfig, keep: np.ndarray, names: list[str], convs: list[st
         raise StageError(f"min_per_stratum {cfg.min_per_stratum} x {n_strata} strata = "
                          f"{cfg.min_per_stratum * n_strata} is larger than size {cfg.size}")
     rng = np.random.default_rng(cfg.seed)
-    by_conv: dict[str, list[int]] = defaultdict(list)
+    by_conv: dict[int, list[int]] = defaultdict(list)
     for j, c in enumerate(convs):
         by_conv[c].append(j)
     heldout: list[int] = []
-    held_convs: set[str] = set()
+    held_convs: set[int] = set()
     if cfg.heldout_size:
         floor = max(1, min(cfg.min_per_stratum, cfg.heldout_size // n_strata))
         size = min(cfg.heldout_size, max(0, n - cfg.size)) if cfg.allow_smaller else cfg.heldout_size
@@ -248,7 +253,7 @@ def _select(cfg: CalibConfig, keep: np.ndarray, names: list[str], convs: list[st
         # and the held-out set takes only what lies beyond it.
         spare = {s: max(0, counts[s] - cfg.min_per_stratum) for s in counts}
         need, _ = strata.allocate(dict(counts), size, floor, available=spare)
-        conv_order = sorted(by_conv)
+        conv_order = sorted(by_conv, key=conv_keys.__getitem__)
         for ci in rng.permutation(len(conv_order)):
             if not any(need.values()):
                 break
