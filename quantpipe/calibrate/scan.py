@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from quantpipe.calibrate import clean, strata
-from quantpipe.calibrate.sources import LINE_FORMATS, ReadStats, Record, open_lines, parse_line
+from quantpipe.calibrate.sources import LINE_FORMATS, ReadStats, Record, block_lines, open_blocks, parse_line
 from quantpipe.calibrate.token_count import TokenCounter
 
-_CHUNK = 1024  # records hashed together (MinHash is batched), and lines sent to a worker at once
+_CHUNK = 1024  # records featurized together (token counts and MinHash are batched)
+_BLOCK_BYTES = 1 << 20  # sent to a worker at once: about 700 request-log lines
 _PARALLEL_BYTES = 32 << 20  # smaller logs are read in-process: starting workers costs more than it saves
 
 
@@ -227,16 +228,11 @@ def _workers(cfg, line_bytes: int) -> int:
     return min(os.cpu_count() or 1, 8)
 
 
-def _line_chunks(files: list[str], which: list[int]) -> Iterator[tuple[int, list[tuple[int, str, bool]]]]:
+def _line_chunks(files: list[str], which: list[int]) -> Iterator[tuple[int, int, bytes]]:
+    # Bytes, split into lines by the worker: the reading process only decompresses.
     for i in which:
-        buf = []
-        for item in open_lines(files[i]):
-            buf.append(item)
-            if len(buf) >= _CHUNK:
-                yield i, buf
-                buf = []
-        if buf:
-            yield i, buf
+        for first, block in open_blocks(files[i], _BLOCK_BYTES):
+            yield i, first, block
 
 
 _WORKER = None  # (featurizer, cfg, formats): set before the pool forks, inherited by the workers
@@ -248,11 +244,11 @@ def _quiet_tokenizers() -> None:
 
 
 def _work(job) -> dict:
-    file, lines = job
+    file, first, block = job
     feat, cfg, formats = _WORKER
     stats, keys_seen = ReadStats(), set()
     records = [r for r in (parse_line(line, file, n, complete, formats[file], cfg, stats, keys_seen)
-                           for n, line, complete in lines) if r is not None]
+                           for n, line, complete in block_lines(first, block)) if r is not None]
     out = feat.chunk(records)
     out.update(lines=stats.lines, torn_tail=stats.torn_tail, bad=stats.bad, keys_seen=keys_seen)
     return out

@@ -80,23 +80,64 @@ def uncompressed_name(path: str) -> str:
     return path
 
 
-def open_lines(path: str, option: str = "--logs") -> Iterator[tuple[int, str, bool]]:
-    """(line number, line, complete) for a plain, .gz or .zst text file."""
+def _open_binary(path: str):
     if path.endswith(".gz"):
-        raw = gzip.open(path, "rb")
-    elif path.endswith(".zst"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
         import zstandard
 
-        raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True)
-    else:
-        raw = open(path, "rb")
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True)
+    return open(path, "rb")
+
+
+def open_lines(path: str, option: str = "--logs") -> Iterator[tuple[int, str, bool]]:
+    """(line number, line, complete) for a plain, .gz or .zst text file."""
     try:
-        with io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding="utf-8", errors="replace",
+        with io.TextIOWrapper(io.BufferedReader(_open_binary(path), 1 << 20), encoding="utf-8", errors="replace",
                               newline="\n") as f:
             for n, line in enumerate(f, 1):
                 yield n, line, line.endswith("\n")
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise StageError(f"{option} {path}: cannot be read ({e})") from None
+
+
+def open_blocks(path: str, size: int = 1 << 20, option: str = "--logs") -> Iterator[tuple[int, bytes]]:
+    """(number of its first line, bytes) of whole lines, about `size` bytes at a time.
+
+    `block_lines` turns a block into what `open_lines` yields for it; reading blocks lets
+    the bytes travel to worker processes without being split and decoded first.
+    """
+    first, rest = 1, b""
+    try:
+        with _open_binary(path) as f:
+            while True:
+                data = f.read(size)
+                if not data:
+                    break
+                data = rest + data
+                cut = data.rfind(b"\n") + 1
+                if not cut:
+                    rest = data
+                    continue
+                block, rest = data[:cut], data[cut:]
+                yield first, block
+                first += block.count(b"\n")
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise StageError(f"{option} {path}: cannot be read ({e})") from None
+    if rest:
+        yield first, rest
+
+
+def block_lines(first: int, block: bytes) -> list[tuple[int, str, bool]]:
+    """A block of `open_blocks` as (line number, line, complete), like `open_lines`."""
+    # A newline byte never sits inside a multi-byte UTF-8 character, so decoding whole
+    # lines gives the text a stream decoder would.
+    lines = block.decode("utf-8", errors="replace").split("\n")
+    last = lines.pop()  # "" when the block ends with a newline
+    out = [(first + i, line + "\n", True) for i, line in enumerate(lines)]
+    if last:
+        out.append((first + len(lines), last, False))
+    return out
 
 
 def detect_format(path: str, requested: str, text_field: str | None) -> str:
