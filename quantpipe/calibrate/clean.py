@@ -123,16 +123,17 @@ _ZEROS = re.compile("0+")
 def normalize(text: str) -> str:
     """What near-duplicate detection compares: no case, digits, mid-sentence names or spacing."""
     words = text.translate(_DIGITS).split()
-    out = []
-    prev = "."
-    for w in words:
-        # A capitalized word inside a sentence is most likely a name: all names look alike.
-        if w[:1].isupper() and not prev.endswith(_SENTENCE_END):
-            out.append("N")
-        else:
-            out.append(_ZEROS.sub("0", w.lower()) if "0" in w else w.lower())  # every number looks alike
-        prev = w
-    return " ".join(out)
+    # A capitalized word inside a sentence is most likely a name: all names look alike.
+    names = [i for i, w in enumerate(words) if w[0].isupper() and i and not words[i - 1].endswith(_SENTENCE_END)]
+    if names and "\0" in text:  # NUL marks names below; a text that holds one takes the slow road
+        marked = set(names)
+        return " ".join("N" if i in marked else _ZEROS.sub("0", w.lower()) for i, w in enumerate(words))
+    for i in names:
+        words[i] = "\0"  # lower() leaves it alone
+    out = " ".join(words).lower()
+    if names:
+        out = out.replace("\0", "N")
+    return _ZEROS.sub("0", out) if "0" in out else out  # every number looks alike
 
 
 NUM_PERM, BANDS = 32, 8  # 8 bands of 4 rows: a pair at Jaccard 0.8 becomes a candidate 98.5% of the time
