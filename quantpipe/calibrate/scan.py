@@ -132,7 +132,7 @@ class _Featurizer:
                 else:
                     values.append(labels.get(k.removeprefix("metadata."), strata.MISSING))
             out["kept"].append((rec.file, rec.line, tuple(values), conversation_key(rec), n,
-                                _hash64(text), text if self.clustering else None))
+                                _hash64(text), clean.scrub(strata.cluster_text(rec), {}) if self.clustering else None))
         out["sigs"] = sigs
         out["replayed"], out["encoded"] = self.counter.fast, self.counter.encoded
         self.counter.fast = self.counter.encoded = 0
