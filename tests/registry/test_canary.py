@@ -114,7 +114,10 @@ def _canary(registry: str, name: str, port: int, policy: Path, duration: str) ->
     return subprocess.Popen(
         [sys.executable, "-m", "quantpipe", "canary", name, "--registry-uri", registry, "--fraction", "0.5",
          "--duration", duration, "--policy", str(policy), "--port", str(port), "--mirror-fraction", "1.0",
-         "--server-arg=--max-num-seqs=4"],
+         # float32 on every CPU: dtype auto serves bf16 where the CPU has AVX-512 BF16, and
+         # bf16 greedy output depends on batch composition, so identical weights on the two
+         # sides would not give identical mirrored completions there.
+         "--server-arg=--max-num-seqs=4", "--server-arg=--dtype=float32"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
 
