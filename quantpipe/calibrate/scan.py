@@ -42,7 +42,6 @@ class Scan:
     endpoints: Counter = field(default_factory=Counter)
     dropped: Counter = field(default_factory=Counter)
     pii: dict[str, int] = field(default_factory=lambda: {t: 0 for t in clean.PII_TYPES})
-    token_counts: dict[str, int] = field(default_factory=lambda: {"replayed": 0, "encoded": 0})
     # One entry per kept record, in log order.
     file: array = field(default_factory=lambda: array("i"))
     line: array = field(default_factory=lambda: array("q"))
@@ -134,8 +133,6 @@ class _Featurizer:
             out["kept"].append((rec.file, rec.line, tuple(values), conversation_key(rec), n,
                                 _hash64(text), clean.scrub(strata.cluster_text(rec), {}) if self.clustering else None))
         out["sigs"] = sigs
-        out["replayed"], out["encoded"] = self.counter.fast, self.counter.encoded
-        self.counter.fast = self.counter.encoded = 0
         return out
 
 
@@ -160,8 +157,6 @@ def first_pass(files: list[str], formats: list[str], cfg, tokenizer, plain_keys:
             scan.pii[t] += n
         if not out["kept"]:
             return
-        scan.token_counts["replayed"] += out["replayed"]
-        scan.token_counts["encoded"] += out["encoded"]
         keep_rows = []
         for row, (file, line, values, conv, n, text_hash, text) in enumerate(out["kept"]):
             # Exact duplicates are judged in log order, so the earliest copy is the one kept.

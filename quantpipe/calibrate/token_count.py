@@ -42,7 +42,7 @@ class TokenCounter:
         self.added = re.compile("(" + "|".join(re.escape(a) for a in sorted(added, key=len, reverse=True)) + ")") \
             if added else None
         self.cache: dict[str, int] = {}
-        self.fast = 0  # texts counted by replaying the split (for the manifest)
+        self.fast = 0  # texts counted by replaying the split
         self.encoded = 0  # texts counted by the real encoder
 
     def count(self, texts: list[str]) -> list[int]:
