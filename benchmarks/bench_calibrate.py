@@ -54,8 +54,12 @@ def write_log(path: str, lines: int, seed: int = 0) -> int:
     return os.path.getsize(path)
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and its children (from /proc), 0 once it is gone."""
+def _tree_memory(pid: int) -> tuple[int, int]:
+    """Resident and proportional (PSS) bytes of `pid` and its children, summed; (0, 0) once gone.
+
+    The RSS sum counts pages the forked workers share with their parent once per process;
+    PSS divides each shared page among its sharers, so its sum is the tree's real footprint.
+    """
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -65,16 +69,23 @@ def _tree_rss(pid: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    rss = pss = 0
+    todo = [pid]
     while todo:
         p = todo.pop()
         try:
-            with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith(("Rss:", "Pss:")):
+                        kib = int(line.split()[1]) * 1024
+                        if line[0:3] == "Rss":
+                            rss += kib
+                        else:
+                            pss += kib
         except (OSError, IndexError, ValueError):
             pass
         todo += children.get(p, [])
-    return total
+    return rss, pss
 
 
 def main() -> int:
@@ -98,12 +109,11 @@ def main() -> int:
             cmd += ["--workers", str(args.workers)]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        peak_sum = 0
+        peak_sum = peak_pss = 0
         while proc.poll() is None:
-            # The first pass runs in worker processes: memory is the whole tree's. RSS counts
-            # pages the workers share with the parent (forked) once per process, so the sum
-            # is an upper bound.
-            peak_sum = max(peak_sum, _tree_rss(proc.pid))
+            # The first pass runs in worker processes: memory is the whole tree's.
+            rss, pss = _tree_memory(proc.pid)
+            peak_sum, peak_pss = max(peak_sum, rss), max(peak_pss, pss)
             time.sleep(0.2)
         out, err = proc.communicate()
         wall = time.perf_counter() - t0
@@ -115,7 +125,8 @@ def main() -> int:
         print(json.dumps({"lines": args.lines, "log_mib": round(size / 2**20), "strata": args.strata,
                           "workers": args.workers or "default", "generate_s": round(gen_s, 1),
                           "calibrate_wall_s": round(wall, 1), "peak_rss_mib_largest_process": round(peak_one),
-                          "peak_rss_mib_all_processes": round(peak_sum / 2**20)}))
+                          "peak_rss_mib_all_processes": round(peak_sum / 2**20),
+                          "peak_pss_mib_all_processes": round(peak_pss / 2**20)}))
     return 0
 
 
