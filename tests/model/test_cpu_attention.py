@@ -63,3 +63,20 @@ def test_the_engine_decodes_through_the_kernel_on_cpu():
 
     llm = LLM(dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory="64MiB")
     assert llm.engine.runner.decode_kernel is not None
+
+
+@pytest.mark.parametrize("heads,kvh", [(9, 3), (12, 2), (4, 4)], ids=["group3", "group6", "mha"])
+def test_bf16_kernel_is_float32_accurate_but_for_the_output_rounding(ext, heads, kvh):
+    # On AVX-512 BF16 CPUs bf16 caches take the vectorized path (q.k as bf16 dot products,
+    # 16 keys a tile, groups of up to 4 query heads per pass over V): the same inputs in
+    # float32 through the torch path must agree to the last bit bf16 can hold.
+    cache, table, lens, mask, q = _case(torch.bfloat16, kvh=kvh, heads=heads, seed=1)
+    cache32 = KVCache(cache.k.shape[0], kvh, 64, torch.float32, "cpu")
+    cache32.k.copy_(cache.k.float())
+    cache32.v.copy_(cache.v.float())
+    empty = torch.empty(0, kvh, 64)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=BS,
+                             decodes=[DecodeGroup(0, len(lens), table, mask, lens)])
+    expected = paged_attention(q.float(), empty, empty, cache32, meta)
+    got = ext.paged_decode(q, cache.k, cache.v, table, lens, BS).float()
+    assert ((got - expected).abs() <= expected.abs() * 2**-8 + 1e-5).all()

@@ -1,5 +1,6 @@
 // Decode attention on CPU straight from the paged KV cache: one query token per sequence,
-// K/V read where they lie in their blocks (no gathered copy), float32 scores and softmax.
+// K/V read where they lie in their blocks (no gathered copy), float32 scores and softmax
+// (bf16 x bf16 products, exact in float32, on the AVX-512 BF16 path).
 // One task per (sequence, KV head): the query heads sharing that KV head are scored together,
 // so each K/V row is loaded once for all of them. Runs on torch's intra-op thread pool.
 #include <torch/extension.h>
@@ -11,6 +12,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define QUANTPIPE_AVX512_BF16 1
+#endif
+
 namespace {
 
 inline float to_float(const c10::BFloat16 x) {
@@ -21,6 +27,93 @@ inline float to_float(const c10::BFloat16 x) {
 }
 inline float to_float(const float x) { return x; }
 
+#ifdef QUANTPIPE_AVX512_BF16
+// bf16 caches with head_dim 64 on CPUs with AVX-512 BF16 (the common serving case). The
+// plain loops below leave most of the time in one horizontal sum per (token, query head);
+// here q.k runs as bf16 dot products with float32 accumulation (vdpbf16ps: the products are
+// exact, the sums float32), 16 tokens at a time, and the 16 sums of a tile are reduced
+// together in one transpose-add tree.
+
+// Lane i of the result is the sum of the 16 lanes of a[i].
+inline __m512 sum16(const __m512* a) {
+  __m512 p[8], q[4], r[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: a[2j] partials at 0 and 2, a[2j+1] at 1 and 3
+    p[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: the partials of a[4j .. 4j+3], in order
+    q[j] = _mm512_add_ps(_mm512_shuffle_ps(p[2 * j], p[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(p[2 * j], p[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 2; ++j)  // add 128-bit lanes pairwise
+    r[j] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * j], q[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(q[2 * j], q[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+inline __m512 bf16_to_f32(const c10::BFloat16* p) {  // 16 values
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// scores[g * ctx + t] = scale * q_g . k_t for the `group` query heads at q (64 values each).
+void scores_bf16_64(const c10::BFloat16* q, const c10::BFloat16* k, const int64_t* slots, int64_t ctx,
+                    int64_t group, int64_t kv_heads, int64_t h, float scale, float* scores) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512bh q0 = load_bh(q + g * 64), q1 = load_bh(q + g * 64 + 32);
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, ctx - t0);
+      __m512 acc[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < n) {
+          const c10::BFloat16* kr = k + (slots[t0 + i] * kv_heads + h) * 64;
+          acc[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, load_bh(kr)), q1, load_bh(kr + 32));
+        } else {
+          acc[i] = _mm512_setzero_ps();
+        }
+      }
+      _mm512_mask_storeu_ps(scores + g * ctx + t0, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(sum16(acc), vscale));
+    }
+  }
+}
+
+// acc[g * 64 + d] = sum_t p[g * ctx + t] * v_t[d] for GN query heads, float32; GN * 4
+// accumulators stay in registers.
+template <int GN>
+void weighted_v_tile(const float* p, const c10::BFloat16* v, const int64_t* slots, int64_t ctx, int64_t kv_heads,
+                     int64_t h, float* acc) {
+  __m512 a[GN][4];
+  for (int i = 0; i < GN; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < ctx; ++t) {
+    const c10::BFloat16* vr = v + (slots[t] * kv_heads + h) * 64;
+    __m512 row[4];
+    for (int j = 0; j < 4; ++j) row[j] = bf16_to_f32(vr + 16 * j);
+    for (int i = 0; i < GN; ++i) {
+      const __m512 pi = _mm512_set1_ps(p[i * ctx + t]);
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(pi, row[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < GN; ++i)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + i * 64 + 16 * j, a[i][j]);
+}
+
+void weighted_v_bf16_64(const float* p, const c10::BFloat16* v, const int64_t* slots, int64_t ctx, int64_t group,
+                        int64_t kv_heads, int64_t h, float* acc) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const float* pg = p + g0 * ctx;
+    float* ag = acc + g0 * 64;
+    switch (std::min<int64_t>(4, group - g0)) {
+      case 1: weighted_v_tile<1>(pg, v, slots, ctx, kv_heads, h, ag); break;
+      case 2: weighted_v_tile<2>(pg, v, slots, ctx, kv_heads, h, ag); break;
+      case 3: weighted_v_tile<3>(pg, v, slots, ctx, kv_heads, h, ag); break;
+      default: weighted_v_tile<4>(pg, v, slots, ctx, kv_heads, h, ag); break;
+    }
+  }
+}
+#endif
+
 // kDim > 0: head_dim fixed at compile time (64, 128), so the inner loops unroll into whole
 // vectors with no remainder handling; 0: any head_dim.
 template <typename T, int64_t kDim>
@@ -28,6 +121,11 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table, const int6
             int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_blocks,
             int64_t block_size, int64_t num_slots, float scale) {
   const int64_t dim = kDim > 0 ? kDim : head_dim;
+#ifdef QUANTPIPE_AVX512_BF16
+  constexpr bool kFast = std::is_same_v<T, c10::BFloat16> && kDim == 64;
+#else
+  constexpr bool kFast = false;
+#endif
   const int64_t group = heads / kv_heads;
   // Bounds are checked where the indices are read anyway (not in extra passes per layer);
   // a bad sequence is skipped and reported once all tasks are done.
@@ -42,9 +140,10 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table, const int6
         bad_len = true;
         continue;
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d)
-          qf[g * dim + d] = to_float(q[(b * heads + h * group + g) * dim + d]) * scale;
+      if (!kFast)  // the fast path multiplies bf16 q as it is and scales the sums
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < dim; ++d)
+            qf[g * dim + d] = to_float(q[(b * heads + h * group + g) * dim + d]) * scale;
       scores.assign(group * ctx, 0.f);
       // Slots of the sequence's tokens, block by block (no division per token).
       slots.resize(ctx);
@@ -58,14 +157,21 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table, const int6
         bad_block = true;
         continue;
       }
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* kr = k + (slots[t] * kv_heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kr[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * dim;
-          float s = 0.f;
-          for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
-          scores[g * ctx + t] = s;
+      if constexpr (kFast) {
+#ifdef QUANTPIPE_AVX512_BF16
+        scores_bf16_64(q + (b * heads + h * group) * 64, k, slots.data(), ctx, group, kv_heads, h, scale,
+                       scores.data());
+#endif
+      } else {
+        for (int64_t t = 0; t < ctx; ++t) {
+          const T* kr = k + (slots[t] * kv_heads + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kr[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * dim;
+            float s = 0.f;
+            for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
+            scores[g * ctx + t] = s;
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -77,14 +183,20 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table, const int6
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < ctx; ++t) sg[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* vr = v + (slots[t] * kv_heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vr[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * ctx + t];
-          float* ag = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
+      if constexpr (kFast) {
+#ifdef QUANTPIPE_AVX512_BF16
+        weighted_v_bf16_64(scores.data(), v, slots.data(), ctx, group, kv_heads, h, acc.data());
+#endif
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < ctx; ++t) {
+          const T* vr = v + (slots[t] * kv_heads + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vr[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * ctx + t];
+            float* ag = acc.data() + g * dim;
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g)
