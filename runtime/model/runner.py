@@ -15,6 +15,7 @@ from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, Pr
 from quantpipe.runtime.model.blocked_linear import block_wide_linears
 from quantpipe.runtime.model.kv_cache import bytes_per_token, layer_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
+from quantpipe.runtime.model.prepacked_linear import prepack_linears
 
 log = logging.getLogger("quantpipe.runtime")
 
@@ -31,6 +32,9 @@ class ModelRunner:
         blocked = block_wide_linears(model, device)
         if blocked:
             log.info("float32 GEMMs in row blocks at few rows: %d wide Linear layers", len(blocked))
+        packed = prepack_linears(model, device)
+        if packed:
+            log.info("bf16 weights prepacked for oneDNN: %d Linear layers", len(packed))
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
