@@ -1,32 +1,11 @@
-import importlib
 import os
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _import_installed(name: str) -> None:
-    """Bind `name` to the installed distribution, not to a folder of this repository.
-
-    transformers (>= 5.25) imports Hugging Face's `kernels` package whenever it is installed
-    (it depends on it). `python -m pytest` puts the repository root first on sys.path, where
-    our own `kernels/` folder (installed as `quantpipe.kernels`) would shadow it and break
-    every transformers import.
-    """
-    saved = sys.path[:]
-    sys.path[:] = [p for p in saved if os.path.abspath(p or os.curdir) not in (ROOT, os.path.join(ROOT, "tests"))]
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass  # not installed: nothing to shadow
-    finally:
-        sys.path[:] = saved
-
-
-_import_installed("kernels")
+# Imported before any test module imports transformers: binds `kernels` to Hugging Face's
+# package, not the repository's kernels/ folder (see quantpipe._bind_installed_kernels).
+import quantpipe  # noqa: F401
 
 # Two cores on CI: keep torch from oversubscribing them when tests run beside servers.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

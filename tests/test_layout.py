@@ -15,13 +15,24 @@ SUBPACKAGES = ("quantpipe.runtime", "quantpipe.kernels", "quantpipe.evals")
 
 def test_no_generic_top_level_names_outside_the_tree(tmp_path):
     """From outside the source tree, the subpackages import and the bare folder names do not."""
-    code = ("import importlib, importlib.util\n"
+    code = ("import importlib, importlib.util, os\n"
             f"for name in {SUBPACKAGES!r}: importlib.import_module(name)\n"
             "for name in ('runtime', 'kernels', 'evals', 'calib_sets'):\n"
-            "    assert importlib.util.find_spec(name) is None, name\n")
+            "    spec = importlib.util.find_spec(name)\n"
+            # `kernels` may be Hugging Face's package (transformers depends on it), never ours.
+            f"    assert spec is None or not spec.origin.startswith(os.path.join({ROOT!r}, name)), (name, spec)\n")
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True)
     proc = subprocess.run([sys.executable, "-c", "import runtime"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr
+
+
+def test_repository_root_on_sys_path_does_not_shadow_hf_kernels():
+    """`python -m ...` from a checkout puts the root first on sys.path, where our kernels/ folder
+    would stand in for Hugging Face's `kernels`, which transformers' model code imports."""
+    code = ("import quantpipe, transformers.modeling_utils, kernels, quantpipe.kernels as ours\n"
+            "assert kernels.__file__ != ours.__file__, kernels.__file__\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
