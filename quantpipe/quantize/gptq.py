@@ -4,7 +4,7 @@ of the layer's inputs, H = 2 X^T X / n.
 
 Details that matter: dampening adds `dampening` x mean(diag H) to the diagonal (retried
 10x larger when the Cholesky factorization fails); columns are processed in blocks with
-a lazy update of the rest (block size a multiple of the group size, so a group's scale is
+a lazy update of the rest (in column order, blocks are whole groups, so a group's scale is
 computed from its already-updated weights); act-order quantizes columns by decreasing
 Hessian diagonal but keeps each column's group and scale of the original order (what
 compressed-tensors calls actorder "weight": no g_idx, any kernel reads it).
@@ -47,8 +47,11 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
-    if block_size % gs and gs % block_size:
-        raise ValueError(f"block_size {block_size} and group_size {gs} must divide one another")
+    # In column order a group's scale comes from its weights as updated so far, so a group must
+    # not straddle two blocks: blocks of max(block_size, gs) columns, a multiple of gs when gs is
+    # the smaller. Per-channel grids (gs = K, any K) and act-order (scales fixed up front) are free.
+    if not act_order and gs < block_size and block_size % gs:
+        raise ValueError(f"block_size {block_size} must be a multiple of group_size {gs}")
 
     if act_order:
         # Scales from the original weights, fixed before any column moves (static groups).

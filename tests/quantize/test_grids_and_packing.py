@@ -130,6 +130,30 @@ def test_gptq_act_order_keeps_groups_and_helps():
     assert err(q, scale) <= err(q0, s0) * 1.05
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_per_channel_on_inputs_no_block_divides(act_order):
+    """W8A16 per channel on the default model: K = 576 is no multiple of the 128-column block."""
+    g = torch.Generator().manual_seed(5)
+    k = 576
+    w = torch.randn(32, k, generator=g)
+    x = torch.randn(3072, k, generator=g) @ (torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k))
+    h = 2 * x[:2048].t() @ x[:2048] / 2048
+    scheme = WeightScheme(8, None, True)
+    q, scale, _, _ = gptq(w, h, scheme, block_size=128, act_order=act_order)
+    assert q.shape == (32, k) and scale.shape == (32, 1)
+    q_rtn, s_rtn, _ = rtn(w, scheme)
+
+    def err(qq, ss):
+        return ((x[2048:] @ w.t() - x[2048:] @ dequantize(qq, ss, None, scheme).t()) ** 2).mean().item()
+
+    assert err(q, scale) < 0.7 * err(q_rtn, s_rtn), (err(q, scale), err(q_rtn, s_rtn))
+
+
+def test_gptq_refuses_groups_that_straddle_blocks():
+    with pytest.raises(ValueError, match="block_size 100 must be a multiple of group_size 64"):
+        gptq(torch.randn(4, 128), torch.eye(128), WeightScheme(4, 64, True), block_size=100)
+
+
 def test_gptq_retries_dampening_on_a_singular_hessian():
     h = torch.zeros(64, 64)
     h[0, 0] = 1.0  # rank one: dead columns are handled, the rest needs dampening
