@@ -1,11 +1,16 @@
 """Where a batched decode step (and a mixed prefill+decode step) of the engine spends its time.
 
     .venv/bin/python benchmarks/profile_step.py [--dtype bfloat16] [--running 64] [--steps 12]
+    .venv/bin/python benchmarks/profile_step.py --prefill [--dtype bfloat16]
 
 The chat-cpu prompts (their real lengths) are admitted and prefilled, then the engine is
 stepped with every request decoding: wall time per step by phase (schedule, host-side
 batch building + model, sampling, bookkeeping), then torch.profiler's table per op over
 the same kind of steps, and cProfile's per-Python-frame totals.
+
+--prefill: steps that only prefill (what a burst of new requests waits for before its
+first tokens): 16 distinct 500-token prompts cut from Python's documentation, so no prefix
+cache hits, each asking one token; prefill tok/s, then the per-op table of a second batch.
 """
 
 from __future__ import annotations
@@ -67,15 +72,37 @@ def timed_steps(eng, n: int) -> dict[str, float]:
     return out
 
 
+def prefill(llm: LLM, ops: int) -> None:
+    from pydoc_data.topics import topics
+
+    ids = llm.get_tokenizer().encode("\n\n".join(topics[k] for k in sorted(topics)))
+    batches = [[ids[(b * 16 + i) * 600:(b * 16 + i) * 600 + 500] for i in range(16)] for b in range(5)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate(batches[0][:2], one)  # warm
+    rates = []
+    for batch in batches[1:4]:
+        t = time.perf_counter()
+        llm.generate(batch, one)
+        rates.append(16 * 500 / (time.perf_counter() - t))
+    print(f"prefill, 16 x 500 tokens: {statistics.median(rates):.0f} tok/s (median of 3: "
+          + ", ".join(f"{r:.0f}" for r in rates) + ")")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.generate(batches[4], one)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=ops))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--running", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--ops", type=int, default=22, help="rows of the per-op table")
+    ap.add_argument("--prefill", action="store_true", help="profile prefill-only steps instead")
     args = ap.parse_args()
     torch.set_num_threads(2)
     llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.running)
+    if args.prefill:
+        return prefill(llm, args.ops)
     eng = fill(llm, args.running, decode_only=True)
     timed_steps(eng, 2)  # warm
     t = timed_steps(eng, args.steps)
