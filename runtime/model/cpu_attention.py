@@ -1,4 +1,5 @@
-"""The CPU paged decode kernel (csrc/paged_decode.cpp), compiled once per machine on first use.
+"""The CPU paged decode kernel (csrc/paged_decode.cpp), compiled once per machine on first use,
+in one module with the fused bf16 element-wise ops (csrc/elementwise.cpp, fused_elementwise.py).
 
 It reads K/V straight from their blocks, where the torch path gathers them into a padded
 copy and lays them out for two GEMMs (benchmarks/bench_decode_attention.py, BENCHMARKS.md).
@@ -20,6 +21,7 @@ import torch
 log = logging.getLogger("quantpipe.runtime")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCES = [SOURCE, SOURCE.parent / "elementwise.cpp"]  # one module: the decode kernel and the fused element-wise ops
 
 
 def _cpu_flags() -> str:
@@ -32,11 +34,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-@functools.cache
 def kernel():
-    """The compiled module, or None when it cannot be built here (or QUANTPIPE_CPU_ATTENTION=torch)."""
+    """The compiled module for decode attention, or None when it cannot be built here (or
+    QUANTPIPE_CPU_ATTENTION=torch)."""
     if os.environ.get("QUANTPIPE_CPU_ATTENTION", "kernel") == "torch":
         return None
+    return extension()
+
+
+@functools.cache
+def extension():
+    """The compiled module (decode kernel and fused element-wise ops), or None without a compiler."""
     from torch.utils.cpp_extension import load
 
     # -march=native: the build is keyed by the CPU's flags, so a cache shared between
@@ -45,12 +53,12 @@ def kernel():
     # infinities or NaNs to lose (it visits only the tokens in context). -fopenmp: ATen's
     # parallel_for is OpenMP inside the headers; without it the kernel ran on one thread.
     cflags, ldflags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-fopenmp"]
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + _cpu_flags().encode()
                          + " ".join(cflags).encode()).hexdigest()[:12]
     try:
-        return load(f"quantpipe_paged_decode_{key}", [str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
-                    verbose=False)
+        return load(f"quantpipe_paged_decode_{key}", [str(p) for p in SOURCES], extra_cflags=cflags,
+                    extra_ldflags=ldflags, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: the torch path still works
-        log.warning("CPU paged decode kernel unavailable (%s): decode attention uses gather + GEMMs",
+        log.warning("CPU kernels unavailable (%s): decode attention uses gather + GEMMs, element-wise ops torch",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None

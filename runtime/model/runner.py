@@ -13,6 +13,7 @@ import torch
 from quantpipe.runtime.engine.scheduler import ScheduledChunk
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from quantpipe.runtime.model.blocked_linear import block_wide_linears
+from quantpipe.runtime.model.fused_elementwise import fuse_elementwise
 from quantpipe.runtime.model.kv_cache import bytes_per_token, layer_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
 from quantpipe.runtime.model.prepacked_linear import prepack_linears
@@ -35,6 +36,9 @@ class ModelRunner:
         packed = prepack_linears(model, device)
         if packed:
             log.info("bf16 weights prepacked for oneDNN: %d Linear layers", len(packed))
+        fused = fuse_elementwise(model, device)
+        if fused:
+            log.info("bf16 RMSNorm and SiLU-mul fused: %d modules", fused)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",

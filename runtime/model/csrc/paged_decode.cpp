@@ -243,7 +243,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 }  // namespace
 
+// elementwise.cpp, built into the same module.
+torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows in one pass", py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul_bf16", &silu_mul_bf16, "SiLU(gate) * up of bf16 rows in one pass",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,65 @@
+"""bf16 RMSNorm and SiLU-mul on CPU in one pass each (csrc/elementwise.cpp), swapped in at load.
+
+torch computes each as five to seven separate element-wise ops over the whole activation;
+at prefill sizes those ops took about a third of a step (BENCHMARKS.md, "Where prefill time
+goes"). The fused versions round to bf16 where the composition in llama.py does, so they
+differ from it only where a float32 sum in another order lands on the other side of a bf16
+rounding boundary (tests/model/test_fused_elementwise.py). float32 models keep the torch
+composition, which the parity tests hold equal to the reference's. The module is the CPU
+paged decode kernel's (one build); `QUANTPIPE_CPU_FUSED=0` turns the swap off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from quantpipe.runtime.model.llama import MLP, LlamaForCausalLM, RMSNorm
+
+
+class FusedRMSNorm(RMSNorm):
+    ext = None  # the compiled module, set by fuse_elementwise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:  # a caller outside the bf16 model (none today): the plain path
+            return super().forward(x)
+        shape = x.shape
+        return self.ext.rms_norm_bf16(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+
+
+class FusedMLP(MLP):
+    ext = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if gate_up.dtype != torch.bfloat16:  # a quantized Linear with another output dtype
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        shape = gate_up.shape
+        h = self.ext.silu_mul_bf16(gate_up.reshape(-1, shape[-1]))
+        return self.down_proj(h.view(*shape[:-1], shape[-1] // 2))
+
+
+def fuse_elementwise(model: LlamaForCausalLM, device: torch.device) -> int:
+    """Swap a bf16 CPU model's RMSNorm and MLP modules for the fused ones; returns how many."""
+    if device.type != "cpu" or os.environ.get("QUANTPIPE_CPU_FUSED", "1") == "0" \
+            or model.embed_tokens.weight.dtype != torch.bfloat16:
+        return 0
+    from quantpipe.runtime.model.cpu_attention import extension
+
+    ext = extension()
+    if ext is None or not hasattr(ext, "rms_norm_bf16"):
+        return 0
+    FusedRMSNorm.ext = FusedMLP.ext = ext
+    swapped = 0
+    for m in model.modules():
+        # Same parameters and attributes: only the class (its forward) changes.
+        if type(m) is RMSNorm and m.weight.dtype == torch.bfloat16:
+            m.__class__ = FusedRMSNorm
+            swapped += 1
+        elif type(m) is MLP:
+            m.__class__ = FusedMLP
+            swapped += 1
+    return swapped
