@@ -23,20 +23,21 @@ def _bind_installed_kernels() -> None:
     once, with the root left out of the search, binds the name for the whole process.
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if "kernels" in sys.modules:
+        return
     try:
         spec = importlib.util.find_spec("kernels")
     except (ImportError, ValueError):
         return
-    if spec is None or not (spec.origin or "").startswith(os.path.join(root, "kernels") + os.sep) or "kernels" in sys.modules:
-        return
+    if spec is None or not (spec.origin or "").startswith(os.path.join(root, "kernels") + os.sep):
+        return  # not installed, or found as itself: nothing shadows it
     saved = sys.path[:]
-    sys.path[:] = [p for p in saved if os.path.abspath(p or os.curdir) not in (root, os.path.join(root, "tests"))]
+    sys.path[:] = [p for p in saved if os.path.abspath(p or os.curdir) != root]
     try:
         importlib.import_module("kernels")
     except ImportError:
         pass  # not installed: nothing to shadow, and transformers will not look for it
     finally:
         sys.path[:] = saved
-
 
 _bind_installed_kernels()

@@ -20,8 +20,8 @@ import torch
 
 log = logging.getLogger("quantpipe.runtime")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-SOURCES = [SOURCE, SOURCE.parent / "elementwise.cpp"]  # one module: the decode kernel and the fused element-wise ops
+# One module: the decode kernel and the fused element-wise ops (one build, one cache key).
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "elementwise.cpp")]
 
 
 def _cpu_flags() -> str:
@@ -53,8 +53,8 @@ def extension():
     # infinities or NaNs to lose (it visits only the tokens in context). -fopenmp: ATen's
     # parallel_for is OpenMP inside the headers; without it the kernel ran on one thread.
     cflags, ldflags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-fopenmp"]
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + _cpu_flags().encode()
-                         + " ".join(cflags).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()
+                         + _cpu_flags().encode() + " ".join(cflags).encode()).hexdigest()[:12]
     try:
         return load(f"quantpipe_paged_decode_{key}", [str(p) for p in SOURCES], extra_cflags=cflags,
                     extra_ldflags=ldflags, verbose=False)

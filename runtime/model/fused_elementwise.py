@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from quantpipe.runtime.model.llama import MLP, LlamaForCausalLM, RMSNorm
 
@@ -23,8 +22,6 @@ class FusedRMSNorm(RMSNorm):
     ext = None  # the compiled module, set by fuse_elementwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:  # a caller outside the bf16 model (none today): the plain path
-            return super().forward(x)
         shape = x.shape
         return self.ext.rms_norm_bf16(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
 
@@ -34,9 +31,6 @@ class FusedMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.dtype != torch.bfloat16:  # a quantized Linear with another output dtype
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
         shape = gate_up.shape
         h = self.ext.silu_mul_bf16(gate_up.reshape(-1, shape[-1]))
         return self.down_proj(h.view(*shape[:-1], shape[-1] // 2))
@@ -50,7 +44,7 @@ def fuse_elementwise(model: LlamaForCausalLM, device: torch.device) -> int:
     from quantpipe.runtime.model.cpu_attention import extension
 
     ext = extension()
-    if ext is None or not hasattr(ext, "rms_norm_bf16"):
+    if ext is None:
         return 0
     FusedRMSNorm.ext = FusedMLP.ext = ext
     swapped = 0

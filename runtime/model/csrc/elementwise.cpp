@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace {
 
@@ -78,20 +77,17 @@ torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up) {
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t gs = gate_up.stride(0);
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    // Each step its own loop over float32 values, so the compiler vectorizes exp (-ffast-math
-    // and glibc's vector math); in one loop with the bf16 conversions it stayed scalar.
-    std::vector<float> a(n);
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* g = gp + r * gs;
       const uint16_t* u = g + n;
       uint16_t* o = op + r * n;
-      for (int64_t i = 0; i < n; ++i) a[i] = bf16_to_float(g[i]);
-      float* av = a.data();
-#pragma omp simd
-      // exp's argument capped below float32's overflow: -ffast-math assumes no infinities, and
-      // silu(a) for a < -88 is within a bf16 rounding of a / exp(88) anyway.
-      for (int64_t i = 0; i < n; ++i) av[i] = av[i] / (1.f + expf(std::fmin(-av[i], 88.f)));
-      for (int64_t i = 0; i < n; ++i) o[i] = float_to_bf16(bf16_to_float(float_to_bf16(a[i])) * bf16_to_float(u[i]));
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = bf16_to_float(g[i]);
+        // exp's argument capped below float32's overflow: -ffast-math assumes no infinities, and
+        // silu(a) for a < -88 is within a bf16 rounding of a / exp(88) anyway.
+        const float s = bf16_to_float(float_to_bf16(a / (1.f + std::exp(std::fmin(-a, 88.f)))));
+        o[i] = float_to_bf16(s * bf16_to_float(u[i]));
+      }
     }
   });
   return out;
