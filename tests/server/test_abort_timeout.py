@@ -47,8 +47,9 @@ def test_stream_disconnect_frees_blocks(no_timeout_server):
             while usage == 0 and time.monotonic() < end:
                 time.sleep(0.05)
                 usage = metric(server.url, USAGE)
-            assert usage > 0, (chunks, metric(server.url, "quantpipe:num_requests_running"),
-                               metric(server.url, "quantpipe:num_preemptions_total"), server.logs())
+            seen = {name: metric(server.url, "quantpipe:" + name) for name in (
+                "num_requests_running", "num_preemptions_total", "request_aborted_total", "request_success_total")}
+            assert usage > 0, (chunks, seen, server.logs())
     # Leaving the block closed the connection.
     assert wait_metric(server.url, USAGE, 0.0, timeout=1.0) == 0.0
     assert wait_metric(server.url, "quantpipe:request_aborted_total", before + 1, timeout=1.0) == before + 1
