@@ -326,7 +326,7 @@ def run_canary(name: str, registry_uri: str, fraction: float, duration_s: float,
                request_timeout_s: float = 60.0, server_args: list[str] | None = None) -> dict:
     """Serve the canary for `duration_s`; returns the decision (promoted, rolled_back, inconclusive)."""
     from quantpipe.registry.publish import _alias_version, _client, resolve_model_uri
-    from quantpipe.runtime.server.process import Served, ServerStartError
+    from quantpipe.runtime.server.process import Served, ServerStartError, split_cpus
 
     policy = load_canary_policy(policy_path)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
@@ -340,15 +340,21 @@ def run_canary(name: str, registry_uri: str, fraction: float, duration_s: float,
     folders = {s: resolve_model_uri(f"models:/{name}/{v}", registry_uri) for s, v in versions.items()}
     # uvicorn shuts the router down on SIGTERM and then raises the signal again; as an
     # exception it unwinds the servers' context managers instead of killing the process.
+    # Both sides run on this host at once: each gets its own half of the CPUs, or their
+    # thread pools fight over every core and each side's latency measures the other's load.
+    cpus = dict(zip(SIDES, split_cpus(len(SIDES))))
     try:
-        with _sigterm_as_exit(), Served(folders["champion"], extra_args=server_args) as champ, \
-                Served(folders["candidate"], extra_args=server_args) as cand:
+        with _sigterm_as_exit(), Served(folders["champion"], extra_args=server_args, cpus=cpus["champion"]) as champ, \
+                Served(folders["candidate"], extra_args=server_args, cpus=cpus["candidate"]) as cand:
             urls = {"champion": champ.url, "candidate": cand.url}
             ids = {s: httpx.get(u + "/v1/models", timeout=10).json()["data"][0]["id"] for s, u in urls.items()}
             canary = Canary(urls, fraction, policy, mirror_fraction, mirror_tokens, request_timeout_s,
                             served_name=name, model_ids=ids)
             log.info("canary: %s v%s (champion) and v%s (candidate, %.0f%% of conversations) on http://%s:%d",
                      name, versions["champion"], versions["candidate"], 100 * fraction, host, port)
+            if cpus["champion"] is not None:
+                log.info("canary: CPUs %s serve the champion, %s the candidate",
+                         _cpu_list(cpus["champion"]), _cpu_list(cpus["candidate"]))
             outcome = asyncio.run(_serve(canary, client, name, versions["candidate"], registry_uri, duration_s,
                                          host, port))
     except ServerStartError as e:
@@ -356,6 +362,10 @@ def run_canary(name: str, registry_uri: str, fraction: float, duration_s: float,
     if not outcome:
         raise StageError("the canary was stopped before its window ended: no decision, nothing changed")
     return {"name": name, **{f"{s}_version": int(v) for s, v in versions.items()}, **outcome}
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
 
 
 @contextlib.contextmanager

@@ -164,7 +164,8 @@ def test_healthy_candidate_is_promoted(registry, w8a16_artifact, tmp_path):
     v = publish(str(healthy), verdict_for(str(healthy), tmp_path / "r"), "smol", uri)["version"]
     port = _free_port()
     # 60 s: a 40 s window once ended inconclusive (exit 2, too few samples for a rule) on
-    # a loaded 2-core machine. The canary was right to say so; the test needs the traffic.
+    # a loaded 2-core machine, and so did a 60 s one while both servers' thread pools
+    # spanned both cores (7 mirrored pairs in 60 s here; 54 since each side has its own).
     proc = _canary(uri, "smol", port, _policy(tmp_path), "60s")
     _wait_ready(f"http://127.0.0.1:{port}", proc)
     with Traffic(f"http://127.0.0.1:{port}") as traffic:
@@ -230,6 +231,11 @@ def test_broken_candidate_is_rolled_back_while_traffic_runs(registry, w8a16_arti
     assert str(client.get_model_version_by_alias("smol", "champion").version) == champion
     servers = _servers_of(proc.pid)
     assert len(servers) == 2  # champion and candidate
+    if len(os.sched_getaffinity(0)) >= 2:  # each side on its own CPUs, one compute thread per CPU
+        cpus = [os.sched_getaffinity(pid) for pid in servers]
+        assert cpus[0] and cpus[1] and not cpus[0] & cpus[1], cpus
+        for pid, own in zip(servers, cpus):
+            assert f"OMP_NUM_THREADS={len(own)}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     proc.terminate()
     proc.wait(60)
     # A terminated canary takes its servers with it (uvicorn re-raises the SIGTERM it handled).

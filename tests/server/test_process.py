@@ -51,3 +51,27 @@ def test_server_exits_when_its_parent_is_killed():
         parent.kill()
         if "server" in locals() and alive(server):
             os.kill(server, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("available, parts, sizes", [
+    (range(2), 2, [1, 1]), (range(5), 2, [3, 2]), (range(8), 3, [3, 3, 2]), (range(1), 2, None), (range(4), 1, [4]),
+])
+def test_split_cpus_gives_disjoint_sets_covering_every_cpu(monkeypatch, available, parts, sizes):
+    from quantpipe.runtime.server import process
+
+    monkeypatch.setattr(process.os, "sched_getaffinity", lambda pid: set(available), raising=False)
+    got = process.split_cpus(parts)
+    assert len(got) == parts
+    if sizes is None:  # fewer CPUs than servers: nothing to split, every server shares them
+        assert got == [None] * parts
+        return
+    assert [len(s) for s in got] == sizes
+    assert set().union(*got) == set(available)
+    assert sum(len(s) for s in got) == len(set(available))  # disjoint
+
+
+def test_split_cpus_refuses_zero_parts():
+    from quantpipe.runtime.server.process import split_cpus
+
+    with pytest.raises(ValueError, match="parts must be >= 1"):
+        split_cpus(0)
