@@ -1,5 +1,6 @@
 """The CPU paged decode kernel (csrc/paged_decode.cpp), compiled once per machine on first use,
-in one module with the fused bf16 element-wise ops (csrc/elementwise.cpp, fused_elementwise.py).
+in one module with the fused bf16 element-wise ops (csrc/elementwise.cpp, fused_elementwise.py)
+and the W8A16 decode kernel (csrc/int8_linear.cpp, quantized.Int8PackLinear).
 
 It reads K/V straight from their blocks, where the torch path gathers them into a padded
 copy and lays them out for two GEMMs (benchmarks/bench_decode_attention.py, BENCHMARKS.md).
@@ -20,8 +21,8 @@ import torch
 
 log = logging.getLogger("quantpipe.runtime")
 
-# One module: the decode kernel and the fused element-wise ops (one build, one cache key).
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "elementwise.cpp")]
+# One module: the decode kernel, the fused element-wise ops and the int8 Linear (one build, one cache key).
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "elementwise.cpp", "int8_linear.cpp")]
 
 
 def _cpu_flags() -> str:
@@ -44,7 +45,7 @@ def kernel():
 
 @functools.cache
 def extension():
-    """The compiled module (decode kernel and fused element-wise ops), or None without a compiler."""
+    """The compiled module (decode kernel, fused element-wise ops, int8 Linear), or None without a compiler."""
     from torch.utils.cpp_extension import load
 
     # -march=native: the build is keyed by the CPU's flags, so a cache shared between
@@ -59,6 +60,7 @@ def extension():
         return load(f"quantpipe_paged_decode_{key}", [str(p) for p in SOURCES], extra_cflags=cflags,
                     extra_ldflags=ldflags, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: the torch path still works
-        log.warning("CPU kernels unavailable (%s): decode attention uses gather + GEMMs, element-wise ops torch",
+        log.warning("CPU kernels unavailable (%s): decode attention uses gather + GEMMs, element-wise ops "
+                    "and W8A16 decode torch's",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None

@@ -5,7 +5,9 @@ the model as usual, then `swap_linears` replaces each quantized `nn.Linear` with
 module the artifact's format calls for. The kernel is chosen from the format, never
 guessed, and each choice is logged once at load:
 
-- `int8pack`: W8 per output channel, symmetric -> torch._weight_int8pack_mm
+- `int8pack`: W8 per output channel, symmetric -> up to 16 rows quantpipe's CPU kernel
+  (csrc/int8_linear.cpp; torch._weight_int8pack_mm where it cannot be built), past that
+  the dense GEMM on the integer values
 - `int4pack`: W4 with a group size of 32/64/128/256 dividing K -> torch's CPU int4 mm
   (its zero convention, w = (u - 8) * scale + zero with a float zero, is converted from
   compressed-tensors' integer zero point at load)
@@ -22,6 +24,7 @@ torch's CPU int kernels are fast only with bf16 activations: with float32 ones t
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +34,24 @@ from torch import nn
 log = logging.getLogger("quantpipe.runtime")
 
 INT4_GROUPS = (32, 64, 128, 256)
-# torch's CPU int8 kernel is a matrix-vector product at heart: against bf16 F.linear on the
-# default model's shapes it ran 2.3-3x faster at 1 row, about even at 8, and 3-4x slower
-# from 128 rows (a prefill chunk). Past this many rows (where the two paths cost the same)
-# the int8 weights are converted to the activation dtype and go through the dense GEMM:
-# 1.1-1.2x bf16's time at 512 rows (benchmarks/bench_int_kernels.py, BENCHMARKS.md).
+# The int8 kernels are matrix-vector products at heart: against bf16 F.linear on the
+# default model's shapes torch's ran 2.3-3x faster at 1 row, about even at 8, and 3-4x
+# slower from 128 rows (a prefill chunk). Past this many rows the int8 weights are
+# converted to the activation dtype and go through the dense GEMM: 1.1-1.2x bf16's time at
+# 512 rows (benchmarks/bench_int_kernels.py, BENCHMARKS.md). quantpipe's own kernel, which
+# takes these rows where it is built, costs the same as the dense path at about 24 rows.
 INT8PACK_MAX_ROWS = 16
+
+
+def _int8_decode_kernel():
+    """The compiled CPU int8 kernel module, or None (no compiler, no AVX-512, or
+    QUANTPIPE_CPU_INT8=torch: then torch's _weight_int8pack_mm takes its rows)."""
+    if os.environ.get("QUANTPIPE_CPU_INT8", "kernel") == "torch":
+        return None
+    from quantpipe.runtime.model.cpu_attention import extension
+
+    ext = extension()
+    return ext if ext is not None and ext.int8_linear_vectorized() else None
 
 
 @dataclass
@@ -81,12 +96,18 @@ class Int8PackLinear(nn.Module):
         self.register_buffer("weight_int8", qw.q.contiguous())
         self.register_buffer("scales", qw.scale.reshape(-1).to(dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        # torch's int8 kernel streamed the weights at 2/3 of the rate the bf16 and int4 ones
+        # reached (no prefetching); ours reads them ahead. bf16 activations on CPU only.
+        self.ext = _int8_decode_kernel() if dtype == torch.bfloat16 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] <= INT8PACK_MAX_ROWS:
-            y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x.dtype))
+            if self.ext is not None and x2.dtype == torch.bfloat16 and x2.is_cpu:
+                y = self.ext.int8_linear_bf16(x2, self.weight_int8, self.scales)
+            else:
+                y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x.dtype))
         else:  # prefill-sized: the dense GEMM on the integer values (exact in bf16), scaled per output
             y = F.linear(x2, self.weight_int8.to(x.dtype)) * self.scales.to(x.dtype)
         y = y.reshape(*shape[:-1], self.out_features)

@@ -264,3 +264,28 @@ def test_generic_calibration_files_plain_jsonl_and_gzip(tmp_path):
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
     with pytest.raises(StageError, match=r"--calib .*bad.jsonl.gz: cannot be read"):
         calibration_texts(str(tmp_path / "bad.jsonl.gz"))
+
+
+@pytest.mark.parametrize("arch", ["llama-tied", "qwen2-bias"])
+def test_cpu_int8_kernel_serves_the_same_bf16_model_as_torchs(tmp_path, monkeypatch, arch):
+    """W8A16 in bf16: quantpipe's CPU int8 kernel and torch's _weight_int8pack_mm compute one
+    function (both sum in float32 and round once), so the logits agree to bf16 noise."""
+    from quantpipe.runtime.model.cpu_attention import extension
+    from quantpipe.runtime.model.quantized import Int8PackLinear
+
+    ext = extension()
+    if ext is None or not ext.int8_linear_vectorized():
+        pytest.skip("no C++ compiler or no AVX-512 here")
+    _, src = build(tmp_path, arch)
+    out = str(tmp_path / "artifact")
+    quantize(src, QuantConfig(scheme="W8A16", dtype="float32"), None, out)
+    logits = {}
+    for kind in ("torch", "kernel"):
+        monkeypatch.setenv("QUANTPIPE_CPU_INT8", kind)
+        model, _, _ = load_model(out, torch.bfloat16)
+        linears = [m for m in model.modules() if isinstance(m, Int8PackLinear)]
+        assert linears and all((m.ext is None) == (kind == "torch") for m in linears)
+        logits[kind] = sequence_logits(model, IDS).float()
+    a, b = logits["torch"], logits["kernel"]
+    assert torch.allclose(a, b, atol=2e-2 * a.abs().max(), rtol=2e-2), (a - b).abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9

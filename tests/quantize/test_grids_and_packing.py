@@ -162,24 +162,61 @@ def test_gptq_retries_dampening_on_a_singular_hessian():
     assert used > 0.01 and q.shape == (8, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype):
-    """Up to INT8PACK_MAX_ROWS rows torch's int8 kernel runs, past it the dense GEMM on the
-    integer values: both compute x @ dequantized.T (bf16 within its rounding)."""
+@pytest.mark.parametrize("dtype, int8_kernel", [(torch.float32, "torch"), (torch.bfloat16, "torch"),
+                                               (torch.bfloat16, "kernel")])
+def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype, int8_kernel, monkeypatch):
+    """Up to INT8PACK_MAX_ROWS rows an int8 kernel runs (quantpipe's CPU kernel for bf16 where
+    it is built, else torch's), past it the dense GEMM on the integer values: all compute
+    x @ dequantized.T (bf16 within its rounding)."""
     from quantpipe.runtime.model.quantized import INT8PACK_MAX_ROWS, Int8PackLinear
 
+    monkeypatch.setenv("QUANTPIPE_CPU_INT8", int8_kernel)
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8)
     qw = QuantWeight(q, torch.rand(96, 1, generator=g) / 50 + 1e-3, None, 8, None)
     lin = Int8PackLinear(qw, None, dtype)
+    if int8_kernel == "kernel":
+        from quantpipe.runtime.model.cpu_attention import extension
+
+        ext = extension()
+        if ext is None or not ext.int8_linear_vectorized():
+            pytest.skip("no C++ compiler or no AVX-512 here: torch's int8 kernel is the only one")
+        assert lin.ext is ext
+    else:
+        assert lin.ext is None
     w = qw.dequantize(torch.float32)
-    for rows in (1, INT8PACK_MAX_ROWS, INT8PACK_MAX_ROWS + 1, 128):
+    for rows in (1, 3, 5, INT8PACK_MAX_ROWS, INT8PACK_MAX_ROWS + 1, 128):
         x = torch.randn(2, rows, 64, generator=g)
         got = lin(x.to(dtype)).float()
         ref = x.to(dtype).float() @ w.t()
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert got.shape == (2, rows, 96)
         assert torch.allclose(got, ref, atol=tol * ref.abs().max(), rtol=tol), (rows, (got - ref).abs().max())
+
+
+@pytest.mark.parametrize("n, k", [(96, 576), (13, 40), (7, 1536)])  # whole blocks; N and K tails
+def test_cpu_int8_kernel_rounds_the_float32_product_once(n, k):
+    """quantpipe's int8 kernel sums in float32 and rounds to bf16 once, after the scale: at
+    most one bf16 step from the exactly rounded product (sums in another order), rarely."""
+    from quantpipe.runtime.model.cpu_attention import extension
+
+    ext = extension()
+    if ext is None or not ext.int8_linear_vectorized():
+        pytest.skip("no C++ compiler or no AVX-512 here")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, generator=g) / 50 + 1e-3).to(torch.bfloat16)
+    for rows in range(1, 10):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        got = ext.int8_linear_bf16(x, w, scale)
+        exact = (x.double() @ w.double().t()) * scale.double()
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        step = exact.abs().float().clamp(min=1e-30) * 2.0**-7  # one bf16 step (upper bound)
+        off = (got.float() - exact.bfloat16().float()).abs()
+        assert (off <= step).all(), (rows, (off / step).max())
+        assert (off > 0).float().mean() < 0.01, (rows, (off > 0).float().mean())
+    with pytest.raises(RuntimeError, match="x has 3 columns"):
+        ext.int8_linear_bf16(torch.zeros(1, 3, dtype=torch.bfloat16), w, scale)
 
 
 def test_w8a8_linear_in_bf16_is_the_float32_function_within_bf16_rounding():

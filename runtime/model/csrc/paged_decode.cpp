@@ -243,9 +243,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 }  // namespace
 
-// elementwise.cpp, built into the same module.
+// elementwise.cpp and int8_linear.cpp, built into the same module.
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
+torch::Tensor int8_linear_bf16(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale);
+bool int8_linear_vectorized();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache",
@@ -253,4 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows in one pass", py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul_bf16", &silu_mul_bf16, "SiLU(gate) * up of bf16 rows in one pass",
         py::call_guard<py::gil_scoped_release>());
+  m.def("int8_linear_bf16", &int8_linear_bf16, "bf16 rows times int8 weights scaled per output channel",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_linear_vectorized", &int8_linear_vectorized, "whether int8_linear_bf16 was built with AVX-512");
 }
