@@ -54,7 +54,8 @@ def search_scale(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme) -> tupl
     return best[1], best[2], best[0] / max(base, 1e-30)
 
 
-def search_clip(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+def search_clip(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme,
+                shrinks: tuple[float, ...] = SHRINKS) -> torch.Tensor:
     """Range shrink [N, G] per output row and group with the least output error of that group."""
     n, k = w.shape
     gs = scheme.group_size or k
@@ -62,7 +63,7 @@ def search_clip(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme) -> torch
     blocks = torch.stack([h[i * gs:(i + 1) * gs, i * gs:(i + 1) * gs] for i in range(g)])  # [G, gs, gs]
     best_err = torch.full((n, g), float("inf"))
     best = torch.ones(n, g)
-    for r in SHRINKS:
+    for r in shrinks:
         d = (w - fake_quant(w, scheme, r)).float().view(n, g, gs)
         err = torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
         better = err < best_err

@@ -38,8 +38,11 @@ def inverse_hessian_cholesky(h: torch.Tensor, dampening: float, retries: int = 4
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: float = 0.01, block_size: int = 128,
-         act_order: bool = False, scale_dtype: torch.dtype = torch.float32):
-    """(q int8 [N, K], scale [N, G], zero or None, dampening used) for weight w [N, K]."""
+         act_order: bool = False, scale_dtype: torch.dtype = torch.float32, shrink: torch.Tensor | None = None):
+    """(q int8 [N, K], scale [N, G], zero or None, dampening used) for weight w [N, K].
+
+    `shrink` [N, G] narrows each group's range before its grid is fixed (a clipping search's
+    result, e.g. `awq.search_clip`); None keeps min-max."""
     w = w.detach().float().clone()
     h = h.detach().double().clone()
     n, k = w.shape
@@ -55,7 +58,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
 
     if act_order:
         # Scales from the original weights, fixed before any column moves (static groups).
-        scale, zero = qparams(w, scheme)
+        scale, zero = qparams(w, scheme, 1.0 if shrink is None else shrink)
         scale = scale.to(scale_dtype).float()
         perm = torch.argsort(torch.diag(h), descending=True)
     else:
@@ -81,8 +84,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
             col = i1 + i
             if not act_order and col % gs == 0:
                 # The group's grid, from its weights as updated so far.
-                s, z = qparams(w1[:, i:i + gs], WeightScheme(scheme.num_bits, None, scheme.symmetric))
                 g = col // gs
+                s, z = qparams(w1[:, i:i + gs], WeightScheme(scheme.num_bits, None, scheme.symmetric),
+                               1.0 if shrink is None else shrink[:, g:g + 1])
                 scale[:, g] = s[:, 0].to(scale_dtype).float()
                 if zero is not None:
                     zero[:, g] = z[:, 0]

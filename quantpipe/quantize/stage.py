@@ -161,6 +161,11 @@ def smooth(model, samples: list[list[int]], alpha: float) -> dict:
     return {"alpha": alpha, "pairs": len(pairs), "outlier_ratio_max": round(max(ratios), 2)}
 
 
+# GPTQ with clip="mse": each group's range shrink, searched by the layer's output error
+# (H-weighted) before GPTQ fixes its grid. 8 bits: steps of 1% (a 5% step clips too much).
+GPTQ_CLIP_SHRINKS = {4: tuple(1 - 0.05 * i for i in range(10)), 8: tuple(1 - 0.01 * i for i in range(21))}
+
+
 def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs) -> dict[str, torch.Tensor]:
     """H = 2 X^T X / n (float32) of each Linear in `mods` of layer i, over every calibration token reaching it."""
     hs = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in mods.items()}
@@ -212,9 +217,15 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
             if cfg.method == "awq":
                 q, scale, zero = awq.quantize_clipped(mod.weight.float(), hs[local_name], scheme, scale_dtype)
             else:
+                shrink = None
+                if cfg.clip == "mse":
+                    from quantpipe.quantize import awq
+
+                    shrink = awq.search_clip(mod.weight.float(), hs[local_name], scheme,
+                                             GPTQ_CLIP_SHRINKS[scheme.num_bits])
                 try:
                     q, scale, zero, used = gptq(mod.weight, hs[local_name], scheme, _dampening(cfg), cfg.block_size,
-                                                cfg.act_order, scale_dtype)
+                                                cfg.act_order, scale_dtype, shrink)
                 except HessianError as e:
                     raise StageError(f"{name}: {e}") from None
                 damp_used[name] = used

@@ -79,13 +79,16 @@ def test_quantize_load_generate_and_match_reference(tmp_path, arch, name):
     llm.engine.pool.check_invariants()
 
 
-def test_gptq_on_a_small_model_from_token_ids(tmp_path):
+@pytest.mark.parametrize("clip", ["minmax", "mse"])
+def test_gptq_on_a_small_model_from_token_ids(tmp_path, clip):
     _, src = build(tmp_path, "llama-gqa-untied-llama3-rope")
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 320, (64,), generator=g).tolist() for _ in range(16)]
-    art = quantize(src, QuantConfig(scheme="W4A16", group_size=32, method="gptq", calib_samples=16),
+    art = quantize(src, QuantConfig(scheme="W4A16", group_size=32, method="gptq", calib_samples=16, clip=clip),
                    None, str(tmp_path / "gptq"), calib_token_ids=ids)
     assert art.manifest["calibration"]["kind"] == "token_ids"
+    weights = json.load(open(tmp_path / "gptq" / "config.json"))["quantization_config"]["config_groups"]
+    assert {grp["weights"]["observer"] for grp in weights.values()} == {clip}
     assert all(v["dampening"] == 0.01 for v in art.manifest["layers"].values() if "lm_head" not in v)
     model, _, _ = load_model(str(tmp_path / "gptq"), torch.float32)
     assert torch.isfinite(sequence_logits(model, IDS)).all()
