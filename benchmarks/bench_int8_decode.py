@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,20 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import quantpipe  # noqa: E402,F401  (binds the runtime's import names)
-from quantpipe.runtime.model.cpu_attention import extension  # noqa: E402
+from benchmarks.bench_int_kernels import median_us  # noqa: E402
 from quantpipe.runtime.model.prepacked_linear import PrepackedLinear  # noqa: E402
+from quantpipe.runtime.model.quantized import int8_kernel  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
-
-
-def median_ms(fn, repeats: int = 11) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -49,9 +38,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,24,32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ext = extension()
-    if ext is None or not ext.int8_linear_vectorized():
-        sys.exit("quantpipe's int8 kernel is not built here (no compiler or no AVX-512)")
+    ext = int8_kernel()
+    if ext is None:
+        sys.exit("quantpipe's int8 kernel is off or not built here "
+                 "(QUANTPIPE_CPU_INT8=torch, no C++ compiler, or no AVX-512)")
     g = torch.Generator().manual_seed(0)
     bf16 = [PrepackedLinear(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)) for n, k in SHAPES]
     i8 = [(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
@@ -74,7 +64,7 @@ def main() -> None:
         x = {k: torch.randn(rows, k, generator=g).bfloat16() for k in (576, 1536)}
         cells = []
         for bytes_per_weight, fn in kinds.values():
-            ms = median_ms(lambda: fn(x))
+            ms = median_us(lambda: fn(x), repeats=11) / 1e3
             cells.append(f"{ms:.2f} ({weights * bytes_per_weight / ms / 1e6:.1f})")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 

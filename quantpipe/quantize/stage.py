@@ -31,6 +31,7 @@ from quantpipe.manifest import (
     staged_output,
     write_json,
 )
+from quantpipe.quantize import awq
 from quantpipe.quantize.config import QuantConfig
 from quantpipe.quantize.gptq import HessianError, gptq
 from quantpipe.quantize.pack import pack_int32
@@ -163,7 +164,7 @@ def smooth(model, samples: list[list[int]], alpha: float) -> dict:
 
 # GPTQ with clip="mse": each group's range shrink, searched by the layer's output error
 # (H-weighted) before GPTQ fixes its grid. 8 bits: steps of 1% (a 5% step clips too much).
-GPTQ_CLIP_SHRINKS = {4: tuple(1 - 0.05 * i for i in range(10)), 8: tuple(1 - 0.01 * i for i in range(21))}
+GPTQ_CLIP_SHRINKS = {4: awq.SHRINKS, 8: tuple(1 - 0.01 * i for i in range(21))}
 
 
 def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs) -> dict[str, torch.Tensor]:
@@ -206,8 +207,6 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
         mods = {n: layer.get_submodule(n) for n in LINEARS if schemes.get(f"layers.{i}.{n}")}
         hs = _layer_hessians(i, mods, passes, xs)
         if cfg.method == "awq":
-            from quantpipe.quantize import awq
-
             # H/2 = X^T X / n is what AWQ's output error needs; the factor 2 does not change a search.
             local = {n: schemes[f"layers.{i}.{n}"] for n in mods}
             found = awq.scale_layer(layer, hs, local)
@@ -219,8 +218,6 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
             else:
                 shrink = None
                 if cfg.clip == "mse":
-                    from quantpipe.quantize import awq
-
                     shrink = awq.search_clip(mod.weight.float(), hs[local_name], scheme,
                                              GPTQ_CLIP_SHRINKS[scheme.num_bits])
                 try:

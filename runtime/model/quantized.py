@@ -43,7 +43,7 @@ INT4_GROUPS = (32, 64, 128, 256)
 INT8PACK_MAX_ROWS = 16
 
 
-def _int8_decode_kernel():
+def int8_kernel():
     """The compiled CPU int8 kernel module, or None (no compiler, no AVX-512, or
     QUANTPIPE_CPU_INT8=torch: then torch's _weight_int8pack_mm takes its rows)."""
     if os.environ.get("QUANTPIPE_CPU_INT8", "kernel") == "torch":
@@ -98,7 +98,7 @@ class Int8PackLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         # torch's int8 kernel streamed the weights at 2/3 of the rate the bf16 and int4 ones
         # reached (no prefetching); ours reads them ahead. bf16 activations on CPU only.
-        self.ext = _int8_decode_kernel() if dtype == torch.bfloat16 else None
+        self.ext = int8_kernel() if dtype == torch.bfloat16 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

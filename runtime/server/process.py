@@ -88,7 +88,6 @@ class Served:
             if sys.platform != "linux":
                 raise ValueError("cpus: pinning a server to CPUs needs Linux")
             env["OMP_NUM_THREADS"] = str(len(cpus))  # torch's thread pool, one thread per CPU given
-        self.cpus = cpus
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_exit_with_parent(os.getpid(), cpus)
                                      if sys.platform == "linux" else None)

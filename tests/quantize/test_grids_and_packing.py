@@ -207,12 +207,11 @@ def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype, 
     qw = QuantWeight(q, torch.rand(96, 1, generator=g) / 50 + 1e-3, None, 8, None)
     lin = Int8PackLinear(qw, None, dtype)
     if int8_kernel == "kernel":
-        from quantpipe.runtime.model.cpu_attention import extension
+        from quantpipe.runtime.model.quantized import int8_kernel as built
 
-        ext = extension()
-        if ext is None or not ext.int8_linear_vectorized():
+        if built() is None:
             pytest.skip("no C++ compiler or no AVX-512 here: torch's int8 kernel is the only one")
-        assert lin.ext is ext
+        assert lin.ext is built()
     else:
         assert lin.ext is None
     w = qw.dequantize(torch.float32)
@@ -229,10 +228,10 @@ def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype, 
 def test_cpu_int8_kernel_rounds_the_float32_product_once(n, k):
     """quantpipe's int8 kernel sums in float32 and rounds to bf16 once, after the scale: at
     most one bf16 step from the exactly rounded product (sums in another order), rarely."""
-    from quantpipe.runtime.model.cpu_attention import extension
+    from quantpipe.runtime.model.quantized import int8_kernel
 
-    ext = extension()
-    if ext is None or not ext.int8_linear_vectorized():
+    ext = int8_kernel()
+    if ext is None:
         pytest.skip("no C++ compiler or no AVX-512 here")
     g = torch.Generator().manual_seed(1)
     w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)

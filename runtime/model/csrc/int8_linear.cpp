@@ -12,7 +12,6 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -25,24 +24,10 @@ namespace {
 #define PREFETCH_BLOCKS 4
 #endif
 
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as c10::BFloat16 does
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 // ROWS activation rows (float32, [ROWS, K]) against weight rows n0..n0+3 (or fewer at the end).
 template <int ROWS>
-void block(const float* xf, int64_t k, const int8_t* w, const uint16_t* scale, int64_t n0, int64_t nw,
-           uint16_t* y, int64_t n_total) {
+void block(const float* xf, int64_t k, const int8_t* w, const c10::BFloat16* scale, int64_t n0, int64_t nw,
+           c10::BFloat16* y, int64_t n_total) {
   float sums[ROWS][4] = {};
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -75,11 +60,12 @@ void block(const float* xf, int64_t k, const int8_t* w, const uint16_t* scale, i
       for (int64_t c = i; c < k; ++c) sums[r][j] += xf[r * k + c] * static_cast<float>(w[(n0 + j) * k + c]);
   for (int r = 0; r < ROWS; ++r)
     for (int64_t j = 0; j < nw; ++j)
-      y[r * n_total + n0 + j] = float_to_bf16(sums[r][j] * bf16_to_float(scale[n0 + j]));
+      y[r * n_total + n0 + j] = c10::BFloat16(sums[r][j] * static_cast<float>(scale[n0 + j]));  // nearest even
 }
 
 template <int ROWS>
-void rows_chunk(const float* xf, int64_t k, const int8_t* w, const uint16_t* scale, int64_t n, uint16_t* y) {
+void rows_chunk(const float* xf, int64_t k, const int8_t* w, const c10::BFloat16* scale, int64_t n,
+                c10::BFloat16* y) {
   // 64 output channels a task: enough work per thread, and the weight rows of one task
   // (64 x K bytes) stay in L2 while the activation rows are reused against them.
   at::parallel_for(0, (n + 3) / 4, 16, [&](int64_t begin, int64_t end) {
@@ -113,12 +99,12 @@ torch::Tensor int8_linear_bf16(const torch::Tensor& x, const torch::Tensor& weig
               "int8_linear_bf16 scale: contiguous bf16 of size ", n);
   const auto xc = x.contiguous();
   std::vector<float> xf(static_cast<size_t>(m * k));
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(xp[i]);
+  const auto* xp = xc.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = static_cast<float>(xp[i]);
   auto y = torch::empty({m, n}, x.options());
   const auto* wp = weight.data_ptr<int8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const auto* sp = scale.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
   // Four activation rows at a time: 16 float32 accumulators, half the vector registers.
   int64_t r = 0;
   for (; r + 4 <= m; r += 4) rows_chunk<4>(xf.data() + r * k, k, wp, sp, n, yp + r * n);
