@@ -13,10 +13,12 @@ WORKLOAD   ?= chat-cpu
 CONCURRENCY ?= 16
 OUT        ?=
 LOGS       ?=
-RECIPE     ?= calib_sets/recipes/sample.yaml
-SCHEME     ?= W4A16
+RECIPE     ?= evals/recipes/default.yaml
+CALIB_RECIPE ?= calib_sets/recipes/sample.yaml
+SCHEME     ?=
 GROUP_SIZE ?=
-METHOD     ?= gptq
+METHOD     ?=
+BITS_BUDGET ?=
 CALIB      ?=
 POLICY     ?=
 SUITE      ?=
@@ -24,7 +26,7 @@ REGISTRY   ?=
 PUBLISH    ?= 1
 ARTIFACT   ?=
 INTERPRET  ?=
-NAME       ?= $(shell echo smollm2-$(SCHEME)-$(METHOD) | tr A-Z a-z)
+NAME       ?=
 
 # Set up once; redone when the package's requirements change.
 INSTALLED  := .venv/.quantpipe-installed
@@ -54,24 +56,26 @@ bench: $(INSTALLED) ## load-test the server at URL with WORKLOAD at CONCURRENCY 
 demo: ## set up, serve the default model, load-test it, print the report, stop
 	bash scripts/demo
 
-calibrate: $(INSTALLED) ## sample calibration + held-out sets: RECIPE=..., LOGS=... override its logs, OUT=dir
-	$(QUANTPIPE) calibrate --recipe $(RECIPE) $(if $(LOGS),--logs "$(LOGS)") --out $(or $(OUT),calib_sets/sample-set) --overwrite
+calibrate: $(INSTALLED) ## sample calibration + held-out sets: CALIB_RECIPE=..., LOGS=... override its logs, OUT=dir
+	$(QUANTPIPE) calibrate --recipe $(CALIB_RECIPE) $(if $(LOGS),--logs "$(LOGS)") --out $(or $(OUT),calib_sets/sample-set) --overwrite
 
-quantize: $(INSTALLED) ## the whole pipeline: calibrate, quantize, eval, gate, publish MODEL as NAME (SCHEME, METHOD, LOGS|CALIB, POLICY, PUBLISH=0)
-	$(QUANTPIPE) pipeline $(MODEL) --scheme $(SCHEME) --method $(METHOD) $(if $(GROUP_SIZE),--group-size $(GROUP_SIZE)) \
+quantize: $(INSTALLED) ## the pipeline recipe RECIPE on MODEL: publishes the cheapest candidate that passes (SCHEME=... for one candidate; LOGS|CALIB, POLICY, NAME, PUBLISH=0)
+	$(QUANTPIPE) pipeline $(MODEL) --recipe $(RECIPE) $(if $(SCHEME),--scheme $(SCHEME)) $(if $(METHOD),--method $(METHOD)) \
+		$(if $(GROUP_SIZE),--group-size $(GROUP_SIZE)) $(if $(BITS_BUDGET),--bits-budget $(BITS_BUDGET)) \
 		$(if $(LOGS),--logs "$(LOGS)") $(if $(CALIB),--calib $(CALIB)) $(if $(POLICY),--policy $(POLICY)) \
-		$(if $(SUITE),--suite $(SUITE)) $(if $(REGISTRY),--registry-uri $(REGISTRY)) --recipe $(RECIPE) --name $(NAME) \
+		$(if $(SUITE),--suite $(SUITE)) $(if $(REGISTRY),--registry-uri $(REGISTRY)) $(if $(NAME),--name $(NAME)) \
 		$(if $(filter 0,$(PUBLISH)),--no-publish)
 
 kernels: $(INSTALLED) ## verify, autotune and record the Triton kernels of ARTIFACT=dir on CUDA (INTERPRET=1: verify on CPU)
 	$(QUANTPIPE) kernels build $(or $(ARTIFACT),$(error ARTIFACT=artifacts/NAME is required)) $(if $(INTERPRET),--interpret)
 
-eval: $(INSTALLED) ## A/B artifacts/NAME against its source model on CALIB (default calib_sets/NAME-set) into reports/NAME
-	$(QUANTPIPE) eval --candidate artifacts/$(NAME) --calib $(or $(CALIB),calib_sets/$(NAME)-set) \
+eval: $(INSTALLED) ## A/B artifacts/NAME (e.g. NAME=smollm2/w8a16-gptq-mse) against its source on CALIB into reports/NAME
+	$(QUANTPIPE) eval --candidate artifacts/$(or $(NAME),$(error NAME=... is required)) \
+		--calib $(or $(CALIB),calib_sets/$(firstword $(subst /, ,$(NAME)))-set) \
 		$(if $(SUITE),--suite $(SUITE)) --out reports/$(NAME) --overwrite
 
 gate: $(INSTALLED) ## judge reports/NAME against POLICY (default evals/gates/default.yaml)
-	$(QUANTPIPE) gate reports/$(NAME) --artifact artifacts/$(NAME) $(if $(POLICY),--policy $(POLICY))
+	$(QUANTPIPE) gate reports/$(or $(NAME),$(error NAME=... is required)) --artifact artifacts/$(NAME) $(if $(POLICY),--policy $(POLICY))
 
 ci-gate: $(INSTALLED) ## regression gate: a small fixed pipeline run against evals/baselines/ci.yaml (RECORD=1 rewrites its references)
 	bash scripts/ci-gate $(if $(RECORD),--record)

@@ -12,7 +12,7 @@ from quantpipe.calibrate.cli import calibrate_command
 from quantpipe.eval.cli import eval_command
 from quantpipe.gate import gate_command
 from quantpipe.kernels.cli import kernels_group
-from quantpipe.pipeline import pipeline_command
+from quantpipe.pipeline.cli import pipeline_command
 from quantpipe.quantize.cli import quantize_command
 from quantpipe.registry.cli import canary_command, promote_command, publish_command, registry_group, rollback_command
 from quantpipe.runtime.bench.cli import bench

@@ -1,6 +1,6 @@
-"""`quantpipe pipeline` (what `make quantize` runs): every stage in order, ending in a
-verdict and a registry entry; a rerun reuses what did not change; a failing gate
-publishes nothing."""
+"""`quantpipe pipeline` (what `make quantize` runs): a recipe's candidates through every
+stage, the cheapest that passes the gate published; a rerun reuses what did not change;
+a gate that nothing passes publishes nothing."""
 
 from __future__ import annotations
 
@@ -18,45 +18,88 @@ SUITE = ("quality: {max_texts: 16, max_tokens: 96, bootstrap: 200}\n"
          "latency: {repeats: 1, requests: 4, concurrency: 2, max_output_tokens: 8}\n")
 
 
+RECIPE = """
+name: smol
+calibrate: {{set: {calib}}}
+candidates:
+  # Cheapest to serve (INT4 weights, INT8 KV), and far outside the policy's quality bounds.
+  - {{scheme: W4A16, group_size: 64, method: rtn, kv_cache: int8}}
+  # Static INT8 KV scales: a configuration that needs calibration data without GPTQ or AWQ.
+  - {{scheme: W8A16, method: rtn, kv_cache: int8, kv_cache_strategy: channel, calib_samples: 16, calib_seq_len: 128}}
+  - {{scheme: W8A16, method: rtn}}
+eval: {{suite: suite.yaml}}
+gate: {{policy: policy.yaml}}
+"""
+
+
 def _pipeline(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quantpipe", "pipeline", "--scheme", "W8A16", "--method", "rtn",
-                           "--suite", str(cwd / "suite.yaml"), *args], cwd=cwd, capture_output=True, text=True,
-                          env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), timeout=1500)
+    return subprocess.run([sys.executable, "-m", "quantpipe", "pipeline", "--recipe", str(cwd / "recipe.yaml"), *args],
+                          cwd=cwd, capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+                          timeout=1500)
 
 
-def test_pipeline_publishes_what_passes_and_reuses_unchanged_stages(tmp_path, sample_set):
-    import yaml
-
-    from quantpipe.gate import DEFAULT_POLICY
+def test_pipeline_publishes_the_cheapest_passing_candidate_and_reuses_unchanged_steps(tmp_path, sample_set):
+    import json
 
     (tmp_path / "suite.yaml").write_text(SUITE)
-    # The default policy without its latency rules: one repeat of four requests measures
-    # latency ratios too noisily to gate on (the latency A/B still runs and is reported).
-    policy = yaml.safe_load(DEFAULT_POLICY.read_text())
-    policy["rules"] = [r for r in policy["rules"] if not r["metric"].startswith("latency.")]
-    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
-    first = _pipeline(tmp_path, "--calib", sample_set, "--name", "smol-w8", "--policy", str(tmp_path / "policy.yaml"))
+    (tmp_path / "recipe.yaml").write_text(RECIPE.format(calib=sample_set))
+    # Bounds that both W8 candidates clear by a wide margin on 16 texts (KL ~0.007 and
+    # ~0.002, top-1 agreement ~0.96 and ~0.98) and W4 RTN misses by far (KL ~0.6). No
+    # latency ratio rules: one repeat of four requests is too noisy to gate on (the A/B
+    # still runs and is reported).
+    (tmp_path / "policy.yaml").write_text(
+        "rules:\n"
+        "- {metric: quality.kl_mean, compare: ci_upper, op: '<=', threshold: 0.05}\n"
+        "- {metric: quality.ppl_delta_pct, compare: ci_upper, op: '<=', threshold: 2.0}\n"
+        "- {metric: quality.top1_agreement, compare: ci_lower, op: '>=', threshold: 0.9}\n"
+        "- {metric: memory.weight_bytes_ratio, compare: point, op: '<=', threshold: 0.75}\n"
+        "- {metric: latency.error_rate, compare: point, op: '<=', threshold: 0.0}\n")
+    first = _pipeline(tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert (tmp_path / "reports" / "smol-w8" / "report.json").read_text().count('"tpot_p50_ratio"') == 1
-    assert "verdict: pass" in first.stdout and "model:   models:/smol-w8/1" in first.stdout, first.stdout
-    for stage in ("[1/6] calibrate", "[2/6] quantize", "[3/6] kernels", "[4/6] eval", "[5/6] gate", "[6/6] publish"):
-        assert stage in first.stderr
+    winner = "w8a16-rtn-kv-int8-channel"
+    assert f"winner:  {winner}" in first.stdout and "model:   models:/smol/1" in first.stdout, first.stdout
+    for step in ("[1/7] calibrate", "[2/7] quantize", "[3/7] kernels", "[4/7] eval quality", "[5/7] select",
+                 "[6/7] eval latency", "[6/7] gate", "[7/7] publish"):
+        assert step in first.stderr
     assert "skipped on CPU" in first.stderr
-    assert (tmp_path / "reports" / "smol-w8" / "verdict.json").exists()
+    assert f"quantize: {winner} (calibrated: static KV cache scales" in first.stderr
+    search = json.loads((tmp_path / "reports" / "smol" / "search.json").read_text())
+    assert [c["name"] for c in search["candidates"]] == ["w4a16-g64-rtn-kv-int8", winner, "w8a16-rtn"]  # by serving bytes
+    assert [c["status"] for c in search["candidates"]] == ["fail", "pass", "not_reached"]
+    assert search["winner"] == winner and search["why"].startswith(f"{winner} is the cheapest candidate that passed")
+    # Quality for all three in one report; latency only for the one that reached the A/B.
+    quality = json.loads((tmp_path / "reports" / "smol" / "quality" / "report.json").read_text())
+    assert quality["scope"] == "quality" and len(quality["candidates"]) == 3
+    assert not (tmp_path / "reports" / "smol" / "latency-w8a16-rtn").exists()
+    full = json.loads((tmp_path / "reports" / "smol" / winner / "report.json").read_text())
+    assert full["scope"] == "full" and full["candidates"][0]["latency"]["tpot_p50_ratio"]["repeats"] == 1
+    verdict = json.loads((tmp_path / "reports" / "smol" / winner / "verdict.json").read_text())
+    assert verdict["verdict"] == "pass" and verdict["candidate"]["name"] == winner
 
-    again = _pipeline(tmp_path, "--calib", sample_set, "--name", "smol-w8", "--policy", str(tmp_path / "policy.yaml"))
+    again = _pipeline(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "unchanged, reusing artifacts/smol-w8" in again.stderr and "unchanged, reusing reports/smol-w8" in again.stderr
-    assert "already published as models:/smol-w8/1" in again.stderr
+    for reused in [f"unchanged, reusing artifacts/smol/{c['name']}" for c in search["candidates"]] + [
+            "unchanged, reusing reports/smol/quality", f"unchanged, reusing reports/smol/latency-{winner}",
+            "already published as models:/smol/1"]:
+        assert reused in again.stderr, reused
 
-    # A policy this artifact cannot meet: exit 1, the failed rule printed, no new version.
+    # MODEL=models:/NAME/VERSION re-quantizes the registered version's source model: here the
+    # same default model, so every step is reused and the same version is found.
+    again = _pipeline(tmp_path, "models:/smol/1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "re-quantizing the source model of the registered version" in again.stderr
+    assert "already published as models:/smol/1" in again.stderr
+
+    # A policy no candidate can meet: exit 1, the closest candidate and its failed rule
+    # printed, no new version.
     strict = tmp_path / "strict.yaml"
     strict.write_text("rules:\n- {metric: quality.kl_mean, compare: ci_upper, op: '<=', threshold: 0.000001}\n")
-    failed = _pipeline(tmp_path, "--calib", sample_set, "--name", "smol-w8", "--policy", str(strict))
+    failed = _pipeline(tmp_path, "--policy", str(strict))
     assert failed.returncode == 1, failed.stderr[-3000:]
-    assert "FAIL: quality.kl_mean (ci_upper)" in failed.stderr and "model:   not published" in failed.stdout
+    assert "winner:  none; closest" in failed.stdout and "quality.kl_mean (ci_upper)" in failed.stdout
+    assert "model:   not published" in failed.stdout
     import mlflow
 
     db = f"sqlite:///{tmp_path}/.quantpipe/registry.db"
     client = mlflow.tracking.MlflowClient(tracking_uri=db, registry_uri=db)
-    assert [str(v.version) for v in client.search_model_versions("name='smol-w8'")] == ["1"]
+    assert [str(v.version) for v in client.search_model_versions("name='smol'")] == ["1"]

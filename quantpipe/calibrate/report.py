@@ -40,7 +40,7 @@ def _bars(rows: list[tuple[str, list[float]]], series: list[tuple[str, str]], ti
     return "".join(out)
 
 
-def _table(rows: list[list], head: list[str]) -> str:
+def html_table(rows: list[list], head: list[str]) -> str:
     th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table><tr>{th}</tr>{body}</table>"
@@ -79,13 +79,13 @@ def coverage_html(m: dict) -> str:
         "<h2>Token lengths</h2>",
         _bars(hist_rows, series, "token-length distribution of log and sample", "length-histogram"),
         "<h2>Strata</h2>",
-        _table([[s["name"], s["log_count"], f"{s['log_share']:.1%}", s["calib_count"], f"{s['calib_share']:.1%}",
+        html_table([[s["name"], s["log_count"], f"{s['log_share']:.1%}", s["calib_count"], f"{s['calib_share']:.1%}",
                  s["heldout_count"], "yes" if s["under_covered"] else ""] for s in m["strata"]],
                ["stratum", "log", "log share", "calibration", "calibration share", "held-out", "under-covered"]),
         "<h2>Dropped while cleaning</h2>",
-        _table([[k, v] for k, v in m["dropped"].items()], ["reason", "records"]),
+        html_table([[k, v] for k, v in m["dropped"].items()], ["reason", "records"]),
         "<h2>PII scrubbed</h2>",
-        _table([[f"<{k}>", v] for k, v in m["pii_scrubbed"].items()], ["placeholder", "replaced"]),
+        html_table([[f"<{k}>", v] for k, v in m["pii_scrubbed"].items()], ["placeholder", "replaced"]),
     ]
     if m.get("clusters"):
         c = m["clusters"]

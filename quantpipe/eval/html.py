@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from quantpipe.calibrate.report import _table
+from quantpipe.calibrate.report import html_table
 
 QUALITY = [("ppl_delta_pct", "ppl delta %", "{:+.2f}"), ("kl_mean", "KL mean", "{:.4f}"),
            ("kl_p99", "KL P99", "{:.3f}"), ("top1_agreement", "top-1 agreement", "{:.2%}"),
@@ -80,14 +80,15 @@ def _cdf(curves: dict[str, list[float]], title: str) -> str:
 def _latency(lat: dict, label: str) -> list[str]:
     """Ratio table, per-run table and TTFT / TPOT CDFs (pooled over repeats) of one load shape."""
     keys = [k for k in lat if k.endswith("_ratio") and lat[k]]
-    lrows = [[k, f"{lat[k]['point']:.3f}", f"{lat[k]['min']:.3f}-{lat[k]['max']:.3f}", lat[k]["repeats"]]
+    lrows = [[k, f"{lat[k]['point']:.3f}", f"{lat[k]['ci_lower']:.3f}-{lat[k]['ci_upper']:.3f}"
+              if "ci_lower" in lat[k] else "-", f"{lat[k]['min']:.3f}-{lat[k]['max']:.3f}", lat[k]["repeats"]]
              for k in keys]
     runs = [[side, i + 1] + [f"{run[k]:.3f}" if isinstance(run.get(k), float) else run.get(k)
                              for k in ("ttft_p50_s", "tpot_p50_s", "e2e_p99_s", "output_tokens_per_s")]
             for side in ("baseline", "candidate") for i, run in enumerate(lat[f"{side}_runs"])]
     parts = [f"<h3>Latency and memory, candidate / baseline: {html.escape(label)}</h3>"
-             + _table(lrows, ["ratio", "median", "range over repeats", "repeats"]),
-             _table(runs, ["model", "repeat", "TTFT P50 s", "TPOT P50 s", "e2e P99 s", "output tok/s"])]
+             + html_table(lrows, ["ratio", "geometric mean", "95% CI", "range over repeats", "repeats"]),
+             html_table(runs, ["model", "repeat", "TTFT P50 s", "TPOT P50 s", "e2e P99 s", "output tok/s"])]
     for metric, title in (("ttft", "TTFT CDF"), ("tpot", "TPOT CDF")):
         curves = {side: [v for run in lat[f"{side}_runs"] for v in (run.get("samples") or {}).get(metric, [])]
                   for side in ("baseline", "candidate")}
@@ -130,14 +131,14 @@ def report_html(report: dict) -> str:
                        _ci((c.get("mc") or {}).get("accuracy_drop_points"), "{:+.1f}"),
                        _ci((lat.get("tpot_p50_ratio") or {}).get("point"), "{:.2f}"),
                        _ci((lat.get("output_tokens_per_s_ratio") or {}).get("point"), "{:.2f}")])
-    parts.append("<h2>Side by side</h2>" + _table(rows, head))
+    parts.append("<h2>Side by side</h2>" + html_table(rows, head))
     for c in report["candidates"]:
         parts.append(f"<h2>{html.escape(c['name'])} ({html.escape(c['weights'])}, {html.escape(c['method'])})</h2>")
         q = c.get("quality")
         if q:
             srows = [[name] + [s.get("texts")] + [_ci(s.get(k), fmt) for k, _, fmt in QUALITY]
                      for name, s in q["strata"].items()]
-            parts.append("<h3>Per stratum</h3>" + _table(srows, ["stratum", "texts"] + [lb for _, lb, _ in QUALITY]))
+            parts.append("<h3>Per stratum</h3>" + html_table(srows, ["stratum", "texts"] + [lb for _, lb, _ in QUALITY]))
             parts.append(_ci_bars(q["strata"], "ppl_delta_pct", "perplexity delta %"))
             parts.append(_ci_bars(q["strata"], "kl_mean", "mean per-token KL"))
             parts.append("<h3>Per-token KL</h3>" + _histogram(q["kl_histogram"]))
@@ -146,7 +147,7 @@ def report_html(report: dict) -> str:
                       _ci(v["accuracy_drop_points"], "{:+.1f}"), v["accuracy_drop_points"]["n"]]
                      for t, v in c["mc"]["tasks"].items()]
             parts.append("<h3>Multiple choice (BIG-bench, acc)</h3>"
-                         + _table(mrows, ["task", "baseline", "candidate", "drop (points)", "items"]))
+                         + html_table(mrows, ["task", "baseline", "candidate", "drop (points)", "items"]))
         lat = c.get("latency")
         if lat:
             workload = lat.get("workload") or {}

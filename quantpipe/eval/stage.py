@@ -98,12 +98,15 @@ def _memory(m: dict, artifact: str) -> dict:
     config = json.loads((Path(artifact) / "config.json").read_text())
     kv = (config.get("quantization_config") or {}).get("kv_cache_scheme")
     kind = "auto" if not kv else ("int8" if kv.get("type", "int") == "int" else "fp8")
-    hd = ModelConfig.from_hf(config).head_dim
-    ratio = bytes_per_token(1, 1, hd, torch.bfloat16, kind, static=bool(kv) and not kv.get("dynamic")) / \
-        bytes_per_token(1, 1, hd, torch.bfloat16, "auto")
+    mc = ModelConfig.from_hf(config)
+    static = bool(kv) and not kv.get("dynamic")
+    per_token = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16, kind, static=static)
+    ratio = per_token / bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16, "auto")
+    files = sum(f.stat().st_size for f in Path(artifact).glob("*.safetensors"))
     return {"weight_bytes_ratio": b["ratio"], "quantized_linear_bytes": b["quantized_linears"],
             "bf16_linear_bytes": b["bf16_equivalent"], "kv_cache": m.get("kv_cache"),
-            "kv_bytes_per_token_ratio": round(ratio, 4)}
+            "kv_bytes_per_token_ratio": round(ratio, 4), "kv_bytes_per_token": per_token,
+            "weight_file_bytes": files}
 
 
 def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None = None,
@@ -187,6 +190,60 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
 
         phases["total_s"] = time.perf_counter() - t_start
         report["time_s"] = {k: round(v, 1) for k, v in phases.items()}
+        write_json(tmp / "report.json", report)
+        (tmp / "report.html").write_text(report_html(report), encoding="utf-8")
+    return report
+
+
+def read_report(report_dir: str | Path, what: str = "report") -> dict:
+    """report.json of an eval output folder, with a clear error when it is missing or not one."""
+    path = Path(report_dir) / "report.json"
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StageError(f"{what} {report_dir}: no report.json; make one with `quantpipe eval`") from None
+    except (OSError, ValueError) as e:
+        raise StageError(f"{what} {path}: not a readable JSON report ({e})") from None
+    if not isinstance(report, dict) or report.get("stage") != "eval" or not isinstance(report.get("candidates"), list):
+        raise StageError(f"{what} {path}: not an eval report (no stage: eval with a candidates list)")
+    return report
+
+
+def combine(quality_dir: str, latency_dir: str, candidate: str, out: str, overwrite: bool = False) -> dict:
+    """One full-scope report for `candidate` from a quality-scope report (which may hold
+    several candidates, scored in one pass) and a latency-scope report of that candidate.
+
+    Both must come from the same baseline, held-out set, suite and artifact bytes; the
+    full report records both parts' sha256, so a gate judging it judges what was measured."""
+    parts = {"quality": read_report(quality_dir, "quality report"), "latency": read_report(latency_dir,
+                                                                                         "latency report")}
+    for (scope, rep), where in zip(parts.items(), (quality_dir, latency_dir)):
+        if rep.get("scope") not in (scope, "full"):
+            raise StageError(f"{scope} report {where}: its scope is {rep.get('scope')!r}, not {scope}")
+    q, lat = parts["quality"], parts["latency"]
+    for key in ("baseline", "heldout", "suite"):
+        if q.get(key) != lat.get(key):
+            raise StageError(f"cannot combine {quality_dir} and {latency_dir}: their {key} differ")
+    entries = {}
+    for scope, rep in parts.items():
+        named = [c for c in rep["candidates"] if c["name"] == candidate]
+        if len(named) != 1:
+            raise StageError(f"{scope} report has no candidate {candidate!r} "
+                             f"(has {', '.join(c['name'] for c in rep['candidates'])})")
+        entries[scope] = named[0]
+    if entries["quality"]["sha256"] != entries["latency"]["sha256"]:
+        raise StageError(f"cannot combine: candidate {candidate} has sha256 {entries['quality']['sha256'][:12]} in "
+                         f"the quality report and {entries['latency']['sha256'][:12]} in the latency report")
+    entry = {**entries["quality"], "latency": entries["latency"]["latency"]}
+    report = {**{k: v for k, v in q.items() if k not in ("candidates", "time_s")}, "scope": "full",
+              "candidates": [entry], "code_version": code_version(),
+              "time_s": {"quality_s": q.get("time_s", {}).get("quality_s"),
+                         "latency_s": lat.get("time_s", {}).get("latency_s")},
+              "parts": {scope: {"path": str(Path(d) / "report.json"), "sha256": sha256_file(Path(d) / "report.json")}
+                        for scope, d in (("quality", quality_dir), ("latency", latency_dir))}}
+    with staged_output(out, overwrite=overwrite) as tmp:
+        from quantpipe.eval.html import report_html
+
         write_json(tmp / "report.json", report)
         (tmp / "report.html").write_text(report_html(report), encoding="utf-8")
     return report

@@ -51,6 +51,44 @@ class QuantConfig:
     kv_cache: str = "none"  # K/V storage the artifact is served with: int8 or fp8
     kv_cache_strategy: str = "token"  # token: scales per token and KV head at run time; channel: static, calibrated
 
+    @classmethod
+    def from_dict(cls, data, where: str = "quantize") -> QuantConfig:
+        """A config from plain data (a recipe's candidate): every key must be a field; the
+        values are then validated as a config built in code is. Errors name `where`.key."""
+        if not isinstance(data, dict):
+            raise StageError(f"{where}: must be a mapping of field: value; got {data!r}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        data = {str(k).replace("-", "_"): v for k, v in data.items()}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise StageError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(sorted(fields))}")
+        for key, value in data.items():
+            want = _TYPES[key]
+            ok = (value is None and key in _OPTIONAL) or (
+                isinstance(value, want) and (want is bool or not isinstance(value, bool)))
+            if not ok:
+                kind = {str: "a string", int: "an integer", bool: "true or false",
+                        (int, float): "a number"}.get(want, str(want))
+                raise StageError(f"{where}.{key}: must be {kind}{' or null' if key in _OPTIONAL else ''}; "
+                                 f"got {value!r}")
+        try:
+            return cls(**data)
+        except StageError as e:
+            raise StageError(f"{where}: {e}") from None
+
+    def calibration_need(self) -> str | None:
+        """What in this configuration needs calibration data, or None: the stage's own answer,
+        which the pipeline asks instead of keeping a copy of the rule."""
+        if self.method in ("gptq", "awq"):
+            return self.method.upper()
+        if self.scheme == "mixed":
+            return "mixed precision (per-layer sensitivity)"
+        if self.scheme == "W8A8" and self.smoothquant_alpha is not None:
+            return "SmoothQuant"
+        if self.kv_cache != "none" and self.kv_cache_strategy == "channel":
+            return "static KV cache scales (kv_cache_strategy channel)"
+        return None
+
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise StageError(f"scheme must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
@@ -117,3 +155,13 @@ class QuantConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# The type each field takes from plain data (YAML): ints are accepted where floats are.
+_TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "clip": str,
+          "dampening": (int, float), "block_size": int, "act_order": bool, "calib_samples": int,
+          "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str, "smoothquant_alpha": (int, float),
+          "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
+          "kv_cache_strategy": str}
+_OPTIONAL = {"group_size", "smoothquant_alpha", "bits_budget"}  # null is a value of these
+assert set(_TYPES) == {f.name for f in dataclasses.fields(QuantConfig)}, "every field needs a type for from_dict"

@@ -293,13 +293,9 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     w8a8 = cfg.scheme == "W8A8"
     static_kv = cfg.kv_cache != "none" and cfg.kv_cache_strategy == "channel"
     awq_found: dict[str, dict] = {}
-    needs_calib = cfg.method in ("gptq", "awq") or cfg.scheme == "mixed" or (w8a8 and cfg.smoothquant_alpha is not None) \
-        or static_kv
+    what = cfg.calibration_need()
     samples: list[list[int]] = []
-    if needs_calib:
-        what = cfg.method.upper() if cfg.method in ("gptq", "awq") else ("mixed precision" if cfg.scheme == "mixed" else
-                                                    "SmoothQuant" if w8a8 and cfg.smoothquant_alpha else
-                                                    "static KV cache scales")
+    if what:
         if calib_token_ids is not None:
             samples = [list(s)[: cfg.calib_seq_len] for s in calib_token_ids[: cfg.calib_samples]]
             calib_info = {"kind": "token_ids", "sha256": sha256_bytes(json.dumps(samples).encode())}

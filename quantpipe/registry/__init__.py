@@ -13,6 +13,7 @@ from quantpipe.registry.publish import (
     publish,
     resolve_model_uri,
     rollback,
+    source_model,
 )
 
-__all__ = ["DEFAULT_REGISTRY", "RegistryError", "promote", "publish", "resolve_model_uri", "rollback"]
+__all__ = ["DEFAULT_REGISTRY", "RegistryError", "promote", "publish", "resolve_model_uri", "rollback", "source_model"]

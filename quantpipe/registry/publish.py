@@ -97,8 +97,11 @@ def check_verdict(artifact: str, verdict: dict, policy: str, allow_partial: bool
 
 
 def publish(artifact: str, verdict_path: str, name: str, registry_uri: str = DEFAULT_REGISTRY,
-            policy: str | None = None, allow_partial: bool = False) -> dict:
-    """Log a run and register a version with alias `candidate`; all of it, or none of it."""
+            policy: str | None = None, allow_partial: bool = False, source_model: str | None = None) -> dict:
+    """Log a run and register a version with alias `candidate`; all of it, or none of it.
+
+    `source_model`: where the model the artifact was quantized from lives, recorded on the
+    version so that a later pipeline can re-quantize it (`quantpipe pipeline models:/NAME@champion`)."""
     import mlflow
 
     from quantpipe.gate import DEFAULT_POLICY
@@ -158,7 +161,10 @@ def publish(artifact: str, verdict_path: str, name: str, registry_uri: str = DEF
                     if k in ("quality.ppl_delta_pct", "quality.kl_mean", "quality.top1_agreement",
                              "memory.weight_bytes_ratio", "latency.tpot_p50_ratio", "mc.accuracy_drop_points")}
         vtags = {**tags, "quantpipe.artifact_sha256": verdict["candidate"]["sha256"],
+                 "quantpipe.source_model_sha256": manifest["source_model"]["sha256"],
                  **{f"quantpipe.{k}": f"{v:.6g}" for k, v in headline.items()}}
+        if source_model:
+            vtags["quantpipe.source_model_path"] = os.path.abspath(source_model)
         try:
             client.create_registered_model(name)
         except Exception as e:  # noqa: BLE001 - it exists (or a concurrent publish made it)
@@ -237,6 +243,31 @@ def rollback(name: str, registry_uri: str = DEFAULT_REGISTRY, reason: str = "") 
     client.set_model_version_tag(name, current, "quantpipe.rolled_back_at", stamp)
     client.set_model_version_tag(name, current, "quantpipe.rolled_back_reason", reason or "rollback")
     return {"name": name, "champion": int(previous), "rolled_back": int(current)}
+
+
+def source_model(uri: str, registry_uri: str | None = None) -> str:
+    """The model a registered version was quantized from (models:/NAME@ALIAS or /VERSION), as
+    a local path whose sha256 is the one its artifact records: the path its publisher
+    recorded, else the default model. A clear error when neither is that model."""
+    from quantpipe.artifact import model_sha256
+    from quantpipe.runtime.model.loader import resolve_model_path
+
+    registry_uri = registry_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_REGISTRY
+    folder = resolve_model_uri(uri, registry_uri)  # checks the form and that the version exists
+    src = read_manifest(folder, f"model {uri}")["source_model"]
+    name, alias, version = re.fullmatch(r"models:/([^/@]+)(?:@([^/]+)|/(\d+))", uri).groups()
+    client = _client(registry_uri)
+    mv = _version(client, name, _alias_version(client, name, alias) if alias else version)
+    places = [mv.tags.get("quantpipe.source_model_path")]
+    try:
+        places.append(resolve_model_path(None))
+    except ValueError:
+        pass
+    for place in places:
+        if place and os.path.exists(place) and model_sha256(place) == src["sha256"]:
+            return place
+    raise RegistryError(f"model {uri}: its source model ({src['path']}, sha256 {src['sha256'][:12]}) is not on "
+                        f"this machine at a recorded place; pass that model as MODEL")
 
 
 def resolve_model_uri(uri: str, registry_uri: str | None = None, cache: str = ".quantpipe/models") -> str:

@@ -1,0 +1,320 @@
+"""`quantpipe pipeline` (what `make quantize` runs): a gated search over a recipe's candidates.
+
+calibrate once -> quantize every candidate -> kernels -> score quality for all candidates
+in one pass over the held-out set -> order them by serving bytes -> the latency A/B of the
+smallest candidate that passes every quality rule (the next one if it fails latency) ->
+gate -> publish the first that passes the whole gate.
+
+Outputs: artifacts/NAME/CANDIDATE (one artifact each); reports/NAME/quality (every
+candidate's quality, one report), reports/NAME/latency-CANDIDATE, reports/NAME/CANDIDATE
+(the full report the gate judged, and its verdict.json), reports/NAME/search.json and
+search.html (every candidate side by side and the frontier).
+
+A step is skipped when its output exists and the hash of its inputs (input files'
+sha256, parameters, code version) equals the one recorded when it was made, so a rerun
+redoes only what the change reaches. The keys live in .quantpipe/pipeline/NAME.json,
+outside the outputs (an artifact's hash covers its files).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from quantpipe.manifest import StageError, code_version, sha256_bytes, sha256_file
+from quantpipe.pipeline.recipe import Candidate, PipelineRecipe
+
+STATE_DIR = Path(".quantpipe/pipeline")
+STEPS = 7
+
+
+class Keys:
+    def __init__(self, name: str):
+        self.path = STATE_DIR / f"{name}.json"
+        self.keys = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def fresh(self, step: str, key: str, output: Path) -> bool:
+        return output.exists() and self.keys.get(step) == key
+
+    def record(self, step: str, key: str) -> None:
+        self.keys[step] = key
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.keys, indent=1, sort_keys=True))
+
+
+def _key(*parts) -> str:
+    return sha256_bytes(json.dumps([code_version(), *parts], sort_keys=True, default=str).encode())
+
+
+@dataclass
+class Run:
+    """What one pipeline run knows as it goes: the recipe, the source model, the step timings."""
+
+    recipe: PipelineRecipe
+    model: str | None
+    policy: str
+    src: str = ""
+    src_sha: str = ""
+    calib: str = ""
+    keys: Keys = None
+    times: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.keys = Keys(self.recipe.name)
+
+    @property
+    def reports(self) -> Path:
+        return Path("reports") / self.recipe.name
+
+    def artifact(self, cand: Candidate) -> Path:
+        return Path("artifacts") / self.recipe.name / cand.name
+
+    def step(self, n: int, name: str, detail: str = "") -> float:
+        click.secho(f"[{n}/{STEPS}] {name}" + (f": {detail}" if detail else ""), bold=True, err=True)
+        return time.perf_counter()
+
+    def done(self, t0: float, what: str, step: str) -> None:
+        self.times[step] = self.times.get(step, 0.0) + time.perf_counter() - t0
+        click.echo(f"      {what} ({time.perf_counter() - t0:.1f} s)", err=True)
+
+
+def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
+    """Exit code: 0 a candidate passed the whole gate (and was published unless publishing is
+    off), 1 every candidate judged failed, 2 none passed and at least one could not be judged."""
+    from quantpipe.artifact import model_sha256
+    from quantpipe.gate import DEFAULT_POLICY
+    from quantpipe.runtime.model.loader import resolve_model_path
+
+    t_all = time.perf_counter()
+    if model and model.startswith("models:/"):  # re-quantize a registered model's source with new traffic
+        from quantpipe.registry import RegistryError, source_model
+
+        try:
+            model = source_model(model, recipe.registry)
+        except RegistryError as e:
+            raise StageError(f"MODEL: {e}") from None
+        click.echo(f"MODEL: re-quantizing the source model of the registered version: {model}", err=True)
+    run = Run(recipe, model, recipe.policy or str(DEFAULT_POLICY))
+    try:
+        run.src = resolve_model_path(model)
+    except ValueError as e:
+        raise StageError(f"MODEL: {e}") from None
+    run.src_sha = model_sha256(run.src)
+    run.calib = calibrate_step(run)
+    artifacts = {c.name: quantize_step(run, c) for c in recipe.candidates}
+    kernels_note = kernels_step(run)
+    quality = quality_step(run, artifacts)
+
+    from quantpipe.pipeline import search
+
+    t = run.step(5, "select", f"{len(recipe.candidates)} candidate(s) by serving bytes, quality rules first")
+    table = search.quality_table(quality, run.policy, recipe.kv_tokens)
+    for row in table:
+        click.echo(f"      {row['name']}: {search.gib(row['serving_bytes'])} "
+                   f"({row['quality_result']}{'' if row['quality_result'] == 'pass' else ': ' + '; '.join(row['failed'])})",
+                   err=True)
+    run.done(t, f"{sum(r['quality_result'] == 'pass' for r in table)} of {len(table)} pass the quality rules", "select")
+
+    winner = None
+    for row in (r for r in table if r["quality_result"] == "pass"):
+        kernels_build(run, row, artifacts[row["name"]], kernels_note)
+        code, verdict = latency_and_gate(run, row, artifacts[row["name"]])
+        row.update(search.final_row(verdict))
+        if code == 0:
+            winner = row
+            break
+    uri = publish_step(run, winner, artifacts)
+    doc = search.write_report(run.reports, recipe, table, winner, uri, run.policy)
+    code = search.exit_code(table, winner)
+    _summary(run, table, winner, uri, doc, code, time.perf_counter() - t_all)
+    return code
+
+
+def calibrate_step(run: Run) -> str:
+    from quantpipe.calibrate import calibrate
+
+    recipe = run.recipe
+    if recipe.calib_set:
+        t = run.step(1, "calibrate", f"using the existing set {recipe.calib_set}")
+        if not (Path(recipe.calib_set) / "heldout.jsonl").exists():
+            raise StageError(f"calibrate.set {recipe.calib_set}: not a calibration set (no heldout.jsonl)")
+        run.done(t, "given", "calibrate")
+        return recipe.calib_set
+    out = f"calib_sets/{recipe.name}-set"
+    cfg = recipe.calib_config(out=out, model=run.model)
+    files = sorted(f for pattern in cfg.logs for f in (glob.glob(pattern) or [pattern]))
+    key = _key("calibrate", cfg.to_dict(), [(f, sha256_file(f)) for f in files if Path(f).is_file()], run.src_sha)
+    t = run.step(1, "calibrate", f"{recipe.calib_recipe or 'recipe fields'} on {', '.join(files) or 'no logs'}")
+    if run.keys.fresh("calibrate", key, Path(out)):
+        run.done(t, f"unchanged, reusing {out}", "calibrate")
+    else:
+        calibrate(cfg, progress=True)
+        run.keys.record("calibrate", key)
+        run.done(t, f"wrote {out}", "calibrate")
+    return out
+
+
+def quantize_step(run: Run, cand: Candidate) -> Path:
+    from quantpipe.quantize import quantize
+
+    artifact = run.artifact(cand)
+    cfg = cand.config
+    need = cfg.calibration_need()  # the stage's own answer: which configurations read calibration data
+    calib_file = Path(run.calib) / "calib.jsonl"
+    key = _key("quantize", run.src_sha, sha256_file(calib_file) if need else None, cfg.to_dict())
+    t = run.step(2, "quantize", f"{cand.name}" + (f" (calibrated: {need})" if need else ""))
+    if run.keys.fresh(f"quantize:{cand.name}", key, artifact):
+        run.done(t, f"unchanged, reusing {artifact}", "quantize")
+    else:
+        art = quantize(run.model, cfg, run.calib if need else None, str(artifact), overwrite=True)
+        run.keys.record(f"quantize:{cand.name}", key)
+        run.done(t, f"{art.manifest['weights']}: {art.manifest['bytes']['ratio']:.1%} of the bf16 bytes -> {artifact}",
+                 "quantize")
+    return artifact
+
+
+def kernels_step(run: Run) -> str | None:
+    """None when kernels are built (CUDA, build: auto) for each candidate that reaches the
+    latency A/B; otherwise why they are not."""
+    import torch
+
+    t = run.step(3, "kernels")
+    if run.recipe.kernels_build == "off":
+        note = "skipped: the recipe sets kernels.build off"
+    elif not torch.cuda.is_available():
+        note = ("skipped on CPU (no CUDA device): the Triton kernels are built for CUDA; on CPU the runtime "
+                "serves through its own C++ and torch kernels, which need no build")
+    else:
+        note = None
+    run.done(t, note or "on CUDA: built and verified for each candidate before its latency A/B", "kernels")
+    return note
+
+
+def kernels_build(run: Run, row: dict, artifact: Path, note: str | None) -> None:
+    if note is not None:
+        row["kernels"] = note
+        return
+    from quantpipe.kernels.build import build
+
+    t = run.step(3, "kernels", f"build and verify for {row['name']}")
+    try:
+        report = build(artifact, "cuda", echo=lambda m: click.echo(f"      {m}", err=True))
+    except StageError as e:
+        raise StageError(f"kernels for {row['name']}: {e}") from None
+    row["kernels"] = f"built: {len(report.get('cases', []))} cases on {report.get('device', {}).get('name')}"
+    run.done(t, row["kernels"], "kernels")
+
+
+def quality_step(run: Run, artifacts: dict[str, Path]) -> dict:
+    """Every candidate's quality in one pass over the held-out set (the baseline runs once per text)."""
+    from quantpipe.artifact import artifact_sha256
+    from quantpipe.eval.stage import evaluate, read_report
+    from quantpipe.eval.suite import EvalSuite
+
+    suite = EvalSuite.load(run.recipe.suite)
+    out = run.reports / "quality"
+    shas = {name: artifact_sha256(a) for name, a in artifacts.items()}
+    key = _key("quality", shas, sha256_file(Path(run.calib) / "heldout.jsonl"), suite.to_dict(), run.src_sha)
+    t = run.step(4, "eval quality", f"{len(artifacts)} candidate(s) against the source model on {run.calib}")
+    if run.keys.fresh("quality", key, out / "report.json"):
+        run.done(t, f"unchanged, reusing {out}", "eval")
+        return read_report(out)
+    report = evaluate([str(a) for a in artifacts.values()], run.calib, str(out), run.model, suite, "quality",
+                      overwrite=True)
+    run.keys.record("quality", key)
+    run.done(t, f"wrote {out}/report.json", "eval")
+    return report
+
+
+def latency_and_gate(run: Run, row: dict, artifact: Path) -> tuple[int, dict]:
+    """The candidate's latency A/B, its full report (quality + latency) and the gate's verdict on it."""
+    from quantpipe.artifact import artifact_sha256
+    from quantpipe.eval.stage import combine, evaluate
+    from quantpipe.eval.suite import EvalSuite
+    from quantpipe.gate import gate
+
+    suite = EvalSuite.load(run.recipe.suite)
+    lat_dir, full = run.reports / f"latency-{row['name']}", run.reports / row["name"]
+    key = _key("latency", artifact_sha256(artifact), sha256_file(Path(run.calib) / "heldout.jsonl"),
+               suite.to_dict(), run.src_sha)
+    t = run.step(6, "eval latency", f"{row['name']} against the source model, served in turn")
+    if run.keys.fresh(f"latency:{row['name']}", key, lat_dir / "report.json"):
+        run.done(t, f"unchanged, reusing {lat_dir}", "eval")
+    else:
+        evaluate([str(artifact)], run.calib, str(lat_dir), run.model, suite, "latency", overwrite=True)
+        run.keys.record(f"latency:{row['name']}", key)
+        run.done(t, f"wrote {lat_dir}/report.json", "eval")
+    combine(str(run.reports / "quality"), str(lat_dir), row["name"], str(full), overwrite=True)
+    t = run.step(6, "gate", f"{row['name']}: {run.policy}")
+    code, verdict = gate(str(full), run.policy, artifact=str(artifact))
+    run.done(t, f"verdict {verdict['verdict']}", "gate")
+    for r in verdict["rules"]:
+        if r["result"] in ("fail", "cannot_judge"):
+            value = f"{r['value']:.4g}" if "value" in r else r.get("reason", "")
+            click.echo(f"      {r['result'].upper()}: {r['metric']} ({r['compare']}) = {value}, needs {r['op']} "
+                       f"{r['threshold']:g}", err=True)
+    return code, verdict
+
+
+def publish_step(run: Run, winner: dict | None, artifacts: dict[str, Path]) -> str | None:
+    from quantpipe.registry import DEFAULT_REGISTRY, publish
+
+    recipe = run.recipe
+    t = run.step(7, "publish")
+    if winner is None:
+        run.done(t, "not published: no candidate passed the gate", "publish")
+        return None
+    if not recipe.publish:
+        run.done(t, f"skipped (publishing off): {winner['name']} passed, nothing was registered", "publish")
+        return None
+    from quantpipe.artifact import artifact_sha256
+
+    reg, name = recipe.registry or DEFAULT_REGISTRY, recipe.publish_name or recipe.name
+    artifact = artifacts[winner["name"]]
+    existing = _published(reg, name, artifact_sha256(artifact))
+    if existing:
+        run.done(t, f"already published as {existing}", "publish")
+        return existing
+    r = publish(str(artifact), str(run.reports / winner["name"] / "verdict.json"), name, reg, run.policy,
+                source_model=run.src)
+    run.done(t, f"{r['uri']} (alias candidate) in {reg}", "publish")
+    return r["uri"]
+
+
+def _published(registry_uri: str, name: str, sha: str) -> str | None:
+    """models:/NAME/V of a version already holding this artifact, if any."""
+    from quantpipe.registry.publish import _client
+
+    client = _client(registry_uri)
+    try:
+        versions = client.search_model_versions(f"name='{name}'")
+    except Exception:  # noqa: BLE001 - no such model yet
+        return None
+    for v in versions:
+        if v.tags.get("quantpipe.artifact_sha256") == sha:
+            return f"models:/{name}/{v.version}"
+    return None
+
+
+def _summary(run: Run, table: list[dict], winner: dict | None, uri: str | None, doc: dict, code: int,
+             total: float) -> None:
+    from quantpipe.pipeline import search
+
+    lines = [f"\nreport:  {run.reports}/search.html"]
+    if winner:
+        lines.append(f"winner:  {winner['name']} ({search.gib(winner['serving_bytes'])} serving, "
+                     f"{winner['verdict']}: {winner['rules_met']} of {winner['rules']} rules met)")
+        lines.append(f"why:     {doc['why']}")
+    else:
+        closest = doc.get("closest")
+        lines.append("winner:  none" + (f"; closest {closest['name']}, failing: {'; '.join(closest['failed'])}"
+                                        if closest else ""))
+    lines.append(f"verdict: {('pass' if code == 0 else 'fail' if code == 1 else 'cannot_judge')}")
+    lines.append(f"model:   {uri or 'not published'}")
+    lines.append(f"time:    {total:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in run.times.items()) + ")")
+    click.echo("\n".join(lines))
