@@ -186,16 +186,24 @@ def gate(report_dir: str, policy: str, candidate: str | None = None, artifact: s
            "baseline": report.get("baseline"), "heldout": report.get("heldout"), "code_version": code_version()}
     target = Path(out) if out else Path(report_dir) / "verdict.json"
     write_atomic(target, doc)
+    if out is None:  # the report's own page then shows the verdict beside the numbers it judged
+        from quantpipe.eval.html import report_html
+
+        write_atomic(Path(report_dir) / "report.html", report_html(report, doc))
     return code, doc
 
 
-def write_atomic(path: Path, doc: dict) -> None:
+def write_atomic(path: Path, doc: dict | str) -> None:
+    """`path` replaced whole: a JSON document, or a text (str) as it is."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            if isinstance(doc, str):
+                f.write(doc)
+            else:
+                json.dump(doc, f, indent=1, sort_keys=True)
+                f.write("\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

@@ -75,6 +75,10 @@ def test_pipeline_publishes_the_cheapest_passing_candidate_and_reuses_unchanged_
     assert full["scope"] == "full" and full["candidates"][0]["latency"]["tpot_p50_ratio"]["repeats"] == 1
     verdict = json.loads((tmp_path / "reports" / "smol" / winner / "verdict.json").read_text())
     assert verdict["verdict"] == "pass" and verdict["candidate"]["name"] == winner
+    # The gated report's page carries the verdict (each rule, value, bound, result) and both sides' latency CDFs.
+    page = (tmp_path / "reports" / "smol" / winner / "report.html").read_text()
+    assert "Verdict: pass (5 of 5 rules met" in page and "latency.error_rate" in page
+    assert "TTFT CDF" in page and "baseline (n=4)" in page and "candidate (n=4)" in page
 
     again = _pipeline(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]

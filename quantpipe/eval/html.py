@@ -113,11 +113,26 @@ def _histogram(hist: dict) -> str:
     return "".join(out)
 
 
-def report_html(report: dict) -> str:
+def verdict_html(verdict: dict) -> str:
+    """The gate's verdict on the page: each rule with the value it judged, its bound and result."""
+    rows = [[r["metric"], r["compare"], f"{r['value']:.4g}" if "value" in r else r.get("reason", ""),
+             f"{r['op']} {r['threshold']:g}", r["result"]] for r in verdict["rules"]]
+    color = {"pass": "#2ca02c", "fail": "#d62728"}.get(verdict["verdict"], "#ff7f0e")
+    met = sum(r["result"] == "pass" for r in verdict["rules"])
+    return (f"<h2 class='verdict' style='color:{color}'>Verdict: {html.escape(verdict['verdict'])} "
+            f"({met} of {len(verdict['rules'])} rules met; policy {html.escape(verdict['policy']['name'])}, "
+            f"candidate {html.escape(verdict['candidate']['name'])})</h2>"
+            + "".join(f"<p>{html.escape(p)}</p>" for p in verdict.get("problems", []))
+            + html_table(rows, ["metric", "value compared", "value", "bound", "result"]))
+
+
+def report_html(report: dict, verdict: dict | None = None) -> str:
     parts = [f"<h1>quantpipe eval: {len(report['candidates'])} candidate(s)</h1>",
              f"<p>scope <b>{report['scope']}</b>; baseline {html.escape(report['baseline']['model'])} "
              f"(sha256 {report['baseline']['sha256'][:12]}); held-out {html.escape(report['heldout']['path'])} "
              f"({report['heldout']['rows']} texts); code {html.escape(report['code_version'])}</p>"]
+    if verdict is not None:
+        parts.append(verdict_html(verdict))
     head = ["candidate", "weights", "weight bytes", "KV bytes/token"] + [label for _, label, _ in QUALITY] + \
         ["greedy exact match", "MC drop (points)", "TPOT P50 ratio", "tok/s ratio"]
     rows = []

@@ -22,6 +22,8 @@ import logging
 import statistics
 from dataclasses import replace
 
+import numpy as np
+
 from quantpipe.evals.generation import prompts_from
 from quantpipe.manifest import StageError
 from quantpipe.runtime.bench.metrics import metric_values
@@ -93,11 +95,41 @@ async def _drive(url: str, reqs: list[Request], concurrency: int | None = None, 
 # smaller caches, and preempt sooner, than the first. 1 GiB holds ~45k bf16 tokens of the
 # default model, far more than `concurrency` requests in flight need.
 KV_CACHE_MEMORY = "1GiB"
+BOOTSTRAP = 2000  # resamples of the repeats for each ratio's interval
 SAMPLED = ("ttft", "tpot")  # per-request values kept with each run, for the report's CDFs
 
 # run key -> ratio key in the report (what gate policies name)
 RATIOS = {**{k: k.removesuffix("_s") + "_ratio" for k, *_ in LATENCY_KEYS},
           "output_tokens_per_s": "output_tokens_per_s_ratio", "peak_rss_bytes": "peak_rss_ratio"}
+
+
+def shapes_of(cfg: dict) -> dict[str, dict]:
+    """The load shapes a suite's latency section asks for: a closed loop always, an open loop with `rate`."""
+    shapes = {"concurrency": {"concurrency": cfg["concurrency"]}}
+    if cfg.get("rate"):
+        shapes["rate"] = {"rate": float(cfg["rate"])}
+    return shapes
+
+
+def measure(urls: list[str], reqs: list[Request], cfg: dict, names: list[str] | None = None) -> dict:
+    """{shape: [runs of server 0, runs of server 1, ...]}: each server warmed up on the whole
+    workload, then driven `repeats` times in alternating order (A B, B A, ...), one at a time."""
+    names = names or [f"server {i}" for i in range(len(urls))]
+    shapes = shapes_of(cfg)
+    runs: dict[str, list[list[dict]]] = {shape: [[] for _ in urls] for shape in shapes}
+    # Each server first serves the whole workload once, untimed: the first pass through new
+    # prompt lengths pays one-off costs (allocator growth, kernel and weight-layout caches)
+    # that made the first timed repeat of each side about twice as slow as the rest.
+    for url, name in zip(urls, names):
+        log.info("latency: warming up %s", name)
+        asyncio.run(_drive(url, reqs, concurrency=cfg["concurrency"]))
+    for r in range(cfg["repeats"]):
+        order = range(len(urls)) if r % 2 == 0 else reversed(range(len(urls)))
+        for i in order:
+            for shape, kw in shapes.items():
+                log.info("latency: repeat %d/%d, %s, fixed %s", r + 1, cfg["repeats"], names[i], shape)
+                runs[shape][i].append(asyncio.run(_drive(urls[i], reqs, **kw)))
+    return runs
 
 
 def latency_ab(baseline: str | None, candidates: list[str], rows: list[dict], cfg: dict,
@@ -109,10 +141,6 @@ def latency_ab(baseline: str | None, candidates: list[str], rows: list[dict], cf
     dtype = str(resolve_dtype("auto", resolve_device("auto"))).removeprefix("torch.")  # what `serve` picks here
     reqs = workload(rows, tokenizer, cfg["requests"], cfg["max_output_tokens"], max_model_len)
     models = [baseline] + list(candidates)
-    shapes = {"concurrency": {"concurrency": cfg["concurrency"]}}
-    if cfg.get("rate"):
-        shapes["rate"] = {"rate": float(cfg["rate"])}
-    runs: dict[str, list[list[dict]]] = {shape: [[] for _ in models] for shape in shapes}
     with contextlib.ExitStack() as stack:
         # Every model's server is started once, one after another, and stays up: an idle
         # server takes no CPU (measured: 0.1% of a core), and the repeats cost no restarts.
@@ -123,33 +151,37 @@ def latency_ab(baseline: str | None, candidates: list[str], rows: list[dict], cf
                 servers.append(stack.enter_context(Served(m, max_model_len, ["--kv-cache-memory", KV_CACHE_MEMORY])))
             except ServerStartError as e:
                 raise StageError(f"latency: {e}") from None
-        for r in range(cfg["repeats"]):
-            order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
-            for i in order:
-                for shape, kw in shapes.items():
-                    log.info("latency: repeat %d/%d, %s, fixed %s", r + 1, cfg["repeats"], models[i] or "baseline",
-                             shape)
-                    runs[shape][i].append(asyncio.run(_drive(servers[i].url, reqs, **kw)))
+        runs = measure([s.url for s in servers], reqs, cfg, [m or "baseline" for m in models])
     sections = []
     workload_info = {"requests": len(reqs), "prompt_tokens": sum(q.spec.prompt_tokens for q in reqs),
                      "output_tokens": sum(q.spec.output_tokens for q in reqs)}
     for j in range(1, len(models)):
-        closed = _compare(runs["concurrency"][0], runs["concurrency"][j])
+        closed = compare(runs["concurrency"][0], runs["concurrency"][j])
         section = {**closed, "dtype": dtype, "workload": {**workload_info, "concurrency": cfg["concurrency"]}}
-        if "rate" in shapes:
-            section["at_rate"] = {**_compare(runs["rate"][0], runs["rate"][j]), "rate_rps": shapes["rate"]["rate"]}
+        if "rate" in runs:
+            section["at_rate"] = {**compare(runs["rate"][0], runs["rate"][j]), "rate_rps": float(cfg["rate"])}
             section["error_rate"] = max(section["error_rate"], section["at_rate"]["error_rate"])
         sections.append(section)
     return {"candidates": sections}
 
 
-def _compare(base_runs: list[dict], cand_runs: list[dict]) -> dict:
-    """Per-repeat ratios candidate / baseline: their median, min and max, with the runs themselves."""
+def ratio_ci(per: list[float], replicates: int = BOOTSTRAP, seed: int = 0) -> dict:
+    """The geometric mean of per-repeat paired ratios with a 95% bootstrap interval (repeats
+    resampled): a gate rule bounds the end that is worse for the candidate, as the quality
+    rules do, so a noisy A/B widens the interval and fails safe instead of passing by luck."""
+    logs = np.log(np.asarray(per, dtype=np.float64))
+    idx = np.random.default_rng(seed).integers(0, len(logs), size=(replicates, len(logs)))
+    means = logs[idx].mean(axis=1)
+    return {"point": float(np.exp(logs.mean())), "ci_lower": float(np.exp(np.percentile(means, 2.5))),
+            "ci_upper": float(np.exp(np.percentile(means, 97.5))), "median": statistics.median(per),
+            "min": min(per), "max": max(per), "repeats": len(per)}
+
+
+def compare(base_runs: list[dict], cand_runs: list[dict]) -> dict:
+    """Per-repeat ratios candidate / baseline (see ratio_ci), with the runs themselves."""
     ratios = {}
     for key, name in RATIOS.items():
-        per = [c[key] / b[key] for b, c in zip(base_runs, cand_runs) if b.get(key) and c.get(key) is not None]
-        ratios[name] = (
-            {"point": statistics.median(per), "min": min(per), "max": max(per), "repeats": len(per)}
-            if per else None)
+        per = [c[key] / b[key] for b, c in zip(base_runs, cand_runs) if b.get(key) and c.get(key)]
+        ratios[name] = ratio_ci(per) if per else None
     return {"baseline_runs": base_runs, "candidate_runs": cand_runs,
             "error_rate": max(run["error_rate"] for run in cand_runs), **ratios}

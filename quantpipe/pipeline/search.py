@@ -9,8 +9,6 @@ rules they failed, so the report says why the winner won.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from quantpipe.gate import judge, load_policy, write_atomic
@@ -112,15 +110,6 @@ def write_report(out: Path, recipe, table: list[dict], winner: dict | None, uri:
            "why": why(table, winner) if winner else None,
            "closest": near and {"name": near["name"], "failed": near["failed"]},
            "exit_code": exit_code(table, winner)}
-    out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "search.json", doc)
-    fd, tmp = tempfile.mkstemp(prefix=".search.html.", dir=out)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(search_html(doc))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out / "search.html")
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(out / "search.html", search_html(doc))
     return doc
