@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_pipeline_recipe import parse_search_page
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 SUITE = ("quality: {max_texts: 16, max_tokens: 96, bootstrap: 200}\n"
          "generation: {prompts: 2, max_tokens: 4}\n"
@@ -67,6 +69,11 @@ def test_pipeline_publishes_the_cheapest_passing_candidate_and_reuses_unchanged_
     assert [c["name"] for c in search["candidates"]] == ["w4a16-g64-rtn-kv-int8", winner, "w8a16-rtn"]  # by serving bytes
     assert [c["status"] for c in search["candidates"]] == ["fail", "pass", "not_reached"]
     assert search["winner"] == winner and search["why"].startswith(f"{winner} is the cheapest candidate that passed")
+    page = parse_search_page((tmp_path / "reports" / "smol" / "search.html").read_text())
+    for metric, bound in (("quality.kl_mean", "0.05"), ("quality.ppl_delta_pct", "2")):
+        assert sorted(page.points[metric]) == sorted(c["name"] for c in search["candidates"]), metric
+        assert page.bounds[metric] == [bound], metric
+    assert page.rows == 3 and f"winner: {winner}" in page.text
     # Quality for all three in one report; latency only for the one that reached the A/B.
     quality = json.loads((tmp_path / "reports" / "smol" / "quality" / "report.json").read_text())
     assert quality["scope"] == "quality" and len(quality["candidates"]) == 3

@@ -94,6 +94,8 @@ def test_the_quantize_config_says_what_needs_calibration(cfg, need):
     ({"candidates": [{"scheme": "W8A16"}, {"scheme": "W8A16"}], "calibrate": CALIB},
      "candidates[1].name: 'w8a16-rtn' is used by another candidate"),
     ({"candidates": [{"scheme": "W8A16", "name": "a/b"}], "calibrate": CALIB}, "candidates[0].name must be"),
+    ({"candidates": [{"scheme": "W8A16", "name": "quality"}], "calibrate": CALIB}, "a name the pipeline's own"),
+    ({"candidates": [{"scheme": "W8A16", "name": "latency-x"}], "calibrate": CALIB}, "a name the pipeline's own"),
     ({"candidates": [{"scheme": "W8A16"}], "calibrate": {**CALIB, "sise": 3}}, "unknown key calibrate.sise"),
     ({"candidates": [{"scheme": "W8A16"}], "calibrate": {**CALIB, "size": 0}}, "size must be an integer >= 1"),
     ({"candidates": [{"scheme": "W8A16"}], "calibrate": {"set": "x", "size": 3}}, "calibrate.set"),
@@ -178,7 +180,7 @@ def test_search_orders_by_serving_bytes_and_explains_the_winner(tmp_path):
     assert "w4 (quality.kl_mean" in doc["why"] and "w8-kv8 (latency.ttft_p99_ratio (point) = 1.4" in doc["why"]
     assert [c["status"] for c in doc["candidates"]] == ["fail", "fail", "pass"]
 
-    page = _parse((tmp_path / "out" / "search.html").read_text())
+    page = parse_search_page((tmp_path / "out" / "search.html").read_text())
     for metric in ("quality.kl_mean", "quality.ppl_delta_pct"):
         assert sorted(page.points[metric]) == ["w4", "w8", "w8-kv8"], metric  # one point per candidate
         assert page.bounds[metric] == ["0.01" if metric.endswith("kl_mean") else "1"]  # the gate's bound drawn
@@ -225,7 +227,8 @@ class _Page(HTMLParser):
         self.text += data
 
 
-def _parse(text: str) -> _Page:
+def parse_search_page(text: str) -> _Page:
+    """search.html's frontier points and gate bounds per plot, its table rows and its text."""
     page = _Page()
     page.feed(text)
     page.rows -= 1  # the header row

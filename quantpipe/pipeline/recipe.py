@@ -30,6 +30,7 @@ from quantpipe.manifest import StageError, read_yaml, sha256_file
 DEFAULT_RECIPE = Path(quantpipe.evals.__file__).resolve().parent / "recipes" / "default.yaml"
 SECTIONS = ("name", "calibrate", "candidates", "kernels", "eval", "gate", "publish")
 KERNEL_BUILDS = ("auto", "off")
+RESERVED = ("quality", "search.json", "search.html")  # reports/NAME/ entries beside the candidates' folders
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -155,6 +156,9 @@ class PipelineRecipe:
             cfg = QuantConfig.from_dict(c, at)
             name = name if name is not None else default_name(cfg)
             check_name(name, f"{at}.name")
+            if name in RESERVED or name.startswith("latency-"):
+                raise StageError(f"{at}.name: {name!r} is a name the pipeline's own reports use "
+                                 f"({', '.join(RESERVED)}, latency-*); choose another")
             if name in names:
                 raise StageError(f"{at}.name: {name!r} is used by another candidate; names must be unique")
             names.add(name)

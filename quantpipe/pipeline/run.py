@@ -105,6 +105,7 @@ def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
     except ValueError as e:
         raise StageError(f"MODEL: {e}") from None
     run.src_sha = model_sha256(run.src)
+    _check_configs(run)
     run.calib = calibrate_step(run)
     artifacts = {c.name: quantize_step(run, c) for c in recipe.candidates}
     kernels_note = kernels_step(run)
@@ -115,9 +116,9 @@ def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
     t = run.step(5, "select", f"{len(recipe.candidates)} candidate(s) by serving bytes, quality rules first")
     table = search.quality_table(quality, run.policy, recipe.kv_tokens)
     for row in table:
+        failed = row["failed"][:2] + ([f"{len(row['failed']) - 2} more rules"] if len(row["failed"]) > 2 else [])
         click.echo(f"      {row['name']}: {search.gib(row['serving_bytes'])} "
-                   f"({row['quality_result']}{'' if row['quality_result'] == 'pass' else ': ' + '; '.join(row['failed'])})",
-                   err=True)
+                   f"({row['quality_result']}{': ' + '; '.join(failed) if failed else ''})", err=True)
     run.done(t, f"{sum(r['quality_result'] == 'pass' for r in table)} of {len(table)} pass the quality rules", "select")
 
     winner = None
@@ -128,11 +129,24 @@ def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
         if code == 0:
             winner = row
             break
-    uri = publish_step(run, winner, artifacts)
-    doc = search.write_report(run.reports, recipe, table, winner, uri, run.policy)
+    uri = None
+    try:
+        uri = publish_step(run, winner, artifacts)
+    finally:  # the search's report is written even when publishing fails
+        doc = search.write_report(run.reports, recipe, table, winner, uri, run.policy)
     code = search.exit_code(table, winner)
     _summary(run, table, winner, uri, doc, code, time.perf_counter() - t_all)
     return code
+
+
+def _check_configs(run: Run) -> None:
+    """The suite and policy the later steps read, loaded (so validated) before any step runs:
+    a bad key fails in a second, not after the candidates are quantized."""
+    from quantpipe.eval.suite import EvalSuite
+    from quantpipe.gate import load_policy
+
+    EvalSuite.load(run.recipe.suite)
+    load_policy(run.policy)
 
 
 def calibrate_step(run: Run) -> str:

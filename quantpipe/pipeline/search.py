@@ -25,11 +25,24 @@ def serving_bytes(memory: dict, kv_tokens: int) -> int:
 
 
 def _failed(rows: list[dict]) -> list[str]:
-    out = []
+    """The rules not passed, one line per policy rule: a wildcard rule (every stratum) says
+    how many of its metrics failed and the worst of them."""
+    groups: dict[str, list[dict]] = {}
     for r in rows:
-        if r["result"] == "fail":
+        groups.setdefault(r.get("rule", r["metric"]), []).append(r)
+    out = []
+    for rule, rs in groups.items():
+        bad = [r for r in rs if r["result"] in ("fail", "cannot_judge")]
+        if not bad:
+            continue
+        judged = [r for r in bad if r["result"] == "fail"]
+        if len(rs) == 1 and judged:
+            r = judged[0]
             out.append(f"{r['metric']} ({r['compare']}) = {r['value']:.4g}, needs {r['op']} {r['threshold']:g}")
-        elif r["result"] == "cannot_judge":
+        elif judged:
+            worst = (max if judged[0]["op"] in ("<=", "<") else min)(judged, key=lambda r: r["value"])
+            out.append(f"{rule}: {len(judged)} of {len(rs)} fail, worst {worst['metric']} = {worst['value']:.4g}")
+        for r in (r for r in bad if r["result"] == "cannot_judge"):
             out.append(f"{r['metric']}: cannot judge ({r.get('reason', '')})")
     return out
 

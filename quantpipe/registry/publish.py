@@ -96,9 +96,45 @@ def check_verdict(artifact: str, verdict: dict, policy: str, allow_partial: bool
                          f"(quality and latency), or --allow-partial")
 
 
+def rejudge(verdict: dict, policy: str) -> tuple[dict, dict]:
+    """(report, candidate entry) of a verdict, trusted only after checking: the report is the
+    one the verdict judged (its sha256), and the policy judges it again to the same results.
+    A verdict file edited to say pass, or a report edited after its verdict, is refused."""
+    from quantpipe.gate import judge, load_policy
+
+    ref = verdict.get("report") or {}
+    rpath = Path(ref.get("path", ""))
+    try:
+        got = sha256_file(rpath)
+        report = json.loads(rpath.read_text())
+    except (OSError, ValueError) as e:
+        raise StageError(f"--verdict: its report {rpath}: {getattr(e, 'strerror', None) or e}") from None
+    if got != ref.get("sha256"):
+        raise StageError(f"--verdict: its report {rpath} has sha256 {got[:12]}, not the "
+                         f"{str(ref.get('sha256'))[:12]} it judged: the report changed after its verdict")
+    sha = verdict["candidate"]["sha256"]
+    entry = next((c for c in report.get("candidates", []) if c.get("sha256") == sha), None)
+    if entry is None:
+        raise StageError(f"--verdict: its report {rpath} has no candidate with sha256 {sha[:12]}")
+    rows = judge(report, entry, load_policy(policy)[0])
+    bad = [r for r in rows if r["result"] in ("fail", "cannot_judge")]
+    if bad:
+        raise StageError(f"--verdict says {verdict.get('verdict')!r}, but judged again with {policy} the report gives "
+                         f"{bad[0]['result']} for {bad[0]['metric']} ({len(bad)} rule(s) not passed)")
+    mine = sorted((r["metric"], r["compare"], r["result"]) for r in rows)
+    theirs = sorted((r.get("metric"), r.get("compare"), r.get("result")) for r in verdict.get("rules", []))
+    if mine != theirs:
+        raise StageError(f"--verdict: its rules are not what {policy} gives on its report judged again "
+                         f"({len(theirs)} recorded, {len(mine)} now); judge it again with `quantpipe gate`")
+    return report, entry
+
+
 def publish(artifact: str, verdict_path: str, name: str, registry_uri: str = DEFAULT_REGISTRY,
             policy: str | None = None, allow_partial: bool = False, source_model: str | None = None) -> dict:
     """Log a run and register a version with alias `candidate`; all of it, or none of it.
+
+    Only a verdict that passes under `policy` for the artifact's current sha256, whose report
+    is unchanged and judges to the same results again (`rejudge`), is published.
 
     `source_model`: where the model the artifact was quantized from lives, recorded on the
     version so that a later pipeline can re-quantize it (`quantpipe pipeline models:/NAME@champion`)."""
@@ -116,8 +152,7 @@ def publish(artifact: str, verdict_path: str, name: str, registry_uri: str = DEF
         raise StageError(f"--verdict {verdict_path}: {getattr(e, 'strerror', None) or e}") from None
     check_verdict(artifact, verdict, str(policy or DEFAULT_POLICY), allow_partial)
     report_path = Path(verdict["report"]["path"])
-    report = json.loads(report_path.read_text())
-    entry = next(c for c in report["candidates"] if c["sha256"] == verdict["candidate"]["sha256"])
+    report, entry = rejudge(verdict, str(policy or DEFAULT_POLICY))
     calib = report.get("heldout", {}).get("path")
 
     client = _client(registry_uri)

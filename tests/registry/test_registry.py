@@ -1,8 +1,9 @@
 """Publish, promote, roll back and serve through a real `mlflow server` (sqlite store) on
 127.0.0.1, read back with the official MLflow client.
 
-Verdicts here are written by hand (the gate has its own tests): what matters is that
-only a passing, current, full verdict under the project's policy gets a version.
+Reports here are written by hand and judged by the real gate (the eval has its own tests):
+what matters is that only a passing, current, full verdict under the project's policy,
+whose report is unchanged and judges the same again, gets a version.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from quantpipe.artifact import artifact_sha256
-from quantpipe.gate import DEFAULT_POLICY
+from quantpipe.gate import DEFAULT_POLICY, gate
 from quantpipe.manifest import StageError, sha256_file
 from quantpipe.registry import RegistryError, promote, publish, resolve_model_uri, rollback
 
@@ -79,23 +80,33 @@ def artifact(w8a16_artifact):
     return w8a16_artifact
 
 
+def _ci(point: float, lower: float, upper: float) -> dict:
+    return {"point": point, "ci_lower": lower, "ci_upper": upper}
+
+
 def verdict_for(artifact: str, folder: Path, verdict: str = "pass", scope: str = "full",
                 policy: Path = DEFAULT_POLICY) -> str:
-    """A report and its verdict, as `quantpipe eval` and `quantpipe gate` would leave them."""
+    """A report with every metric the default policy names (values a W8A16 artifact shows)
+    and the real gate's verdict on it, as `quantpipe eval` and `quantpipe gate` leave them.
+    verdict="fail": the same with a KL past the policy's bound."""
     folder.mkdir(parents=True, exist_ok=True)
-    sha = artifact_sha256(artifact)
-    report = {"scope": scope, "heldout": {"path": str(folder), "sha256": "0" * 64},
-              "candidates": [{"name": Path(artifact).name, "sha256": sha, "path": artifact,
-                              "quality": {"kl_mean": {"point": 0.004, "ci_lower": 0.003, "ci_upper": 0.005},
-                                          "strata": {"metadata.task=code_complete": {"kl_mean": {"point": 0.005}}}},
-                              "memory": {"weight_bytes_ratio": 0.5}}]}
+    kl = _ci(0.004, 0.003, 0.005) if verdict == "pass" else _ci(0.4, 0.3, 0.5)
+    stratum = {"texts": 40, "kl_mean": {"point": 0.005, "ci_lower": 0.004, "ci_upper": 0.006},
+               "ppl_delta_pct": _ci(0.1, -0.2, 0.4)}
+    entry = {"name": Path(artifact).name, "sha256": artifact_sha256(artifact), "path": artifact,
+             "quality": {"kl_mean": kl, "ppl_delta_pct": _ci(0.05, -0.1, 0.2), "top1_agreement": _ci(0.98, 0.97, 0.99),
+                         "strata": {"metadata.task=code_complete": stratum}},
+             "mc": {"accuracy_drop_points": {"point": 0.0, "ci_upper": 1.0, "stderr": 0.5}},
+             "memory": {"weight_bytes_ratio": 0.5}}
+    if scope == "full":
+        entry["latency"] = {"tpot_p50_ratio": _ci(0.95, 0.9, 1.0), "ttft_p99_ratio": _ci(1.0, 0.9, 1.1),
+                            "error_rate": 0.0}
+    report = {"stage": "eval", "scope": scope, "heldout": {"path": str(folder), "sha256": "0" * 64},
+              "candidates": [entry]}
     (folder / "report.json").write_text(json.dumps(report))
     (folder / "report.html").write_text("<html></html>")
-    doc = {"verdict": verdict, "passed": verdict == "pass", "scope": scope, "rules": [],
-           "candidate": {"name": Path(artifact).name, "sha256": sha, "path": artifact},
-           "report": {"path": str(folder / "report.json")},
-           "policy": {"name": "default", "path": str(policy), "sha256": sha256_file(policy)}}
-    (folder / "verdict.json").write_text(json.dumps(doc))
+    gate(str(folder), str(policy), artifact=artifact, out=str(folder / "verdict.json"))
+    assert json.loads((folder / "verdict.json").read_text())["verdict"] == verdict
     return str(folder / "verdict.json")
 
 
@@ -174,6 +185,24 @@ def test_refusals_leave_no_version(server, artifact, tmp_path):
     stale = tmp_path / "stale"
     shutil.copytree(artifact, stale)
     cases["stale"] = (verdict_for(str(stale), tmp_path / "s"), "changed after its eval")
+    # A verdict file edited to say pass, for a report that fails the policy.
+    forged = verdict_for(artifact, tmp_path / "forged", verdict="fail")
+    doc = json.loads(Path(forged).read_text())
+    doc.update(verdict="pass", passed=True, rules=[{**r, "result": "pass"} for r in doc["rules"]])
+    Path(forged).write_text(json.dumps(doc))
+    cases["forged verdict"] = (forged, "judged again with .* gives fail for quality.kl_mean")
+    # A report edited after its verdict (here, to hide a failing KL the verdict never saw).
+    edited = verdict_for(artifact, tmp_path / "edited")
+    report = json.loads((tmp_path / "edited" / "report.json").read_text())
+    report["candidates"][0]["quality"]["kl_mean"]["ci_upper"] = 0.0051
+    (tmp_path / "edited" / "report.json").write_text(json.dumps(report))
+    cases["edited report"] = (edited, "the report changed after its verdict")
+    # A verdict whose rules are not what the policy gives (one dropped by hand).
+    partial_rules = verdict_for(artifact, tmp_path / "dropped")
+    doc = json.loads(Path(partial_rules).read_text())
+    doc["rules"] = doc["rules"][1:]
+    Path(partial_rules).write_text(json.dumps(doc))
+    cases["dropped rule"] = (partial_rules, "its rules are not what")
     for why, (verdict, message) in cases.items():
         target = str(stale) if why == "stale" else artifact
         if why == "stale":
