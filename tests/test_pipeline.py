@@ -34,10 +34,14 @@ gate: {{policy: policy.yaml}}
 """
 
 
+# The registry is each test's own sqlite store: MLflow's tools (and earlier tests that
+# used them) set MLFLOW_TRACKING_URI, which the pipeline honours as MLflow's own tools do.
+ENV = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"TOKENIZERS_PARALLELISM": "false"}
+
+
 def _pipeline(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "quantpipe", "pipeline", "--recipe", str(cwd / "recipe.yaml"), *args],
-                          cwd=cwd, capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
-                          timeout=1500)
+                          cwd=cwd, capture_output=True, text=True, env=ENV, timeout=1500)
 
 
 def test_pipeline_publishes_the_cheapest_passing_candidate_and_reuses_unchanged_steps(tmp_path, sample_set):

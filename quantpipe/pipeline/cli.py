@@ -33,7 +33,8 @@ CANDIDATE_FLAGS = ("scheme", "method", "group_size", "clip", "kv_cache", "bits_b
 @click.option("--calib", default=None, help="an existing calibration set instead of calibrating")
 @click.option("--policy", default=None, help="gate policy [default: the recipe's, else evals/gates/default.yaml]")
 @click.option("--suite", default=None, help="eval suite [default: the recipe's, else evals/suites/default.yaml]")
-@click.option("--registry-uri", default=None, help="[default: the recipe's, else sqlite:///.quantpipe/registry.db]")
+@click.option("--registry-uri", default=None,
+              help="[default: the recipe's, else MLFLOW_TRACKING_URI, else sqlite:///.quantpipe/registry.db]")
 @click.option("--publish/--no-publish", "publish_model", default=None,
               help="--no-publish stops after the gate (a CI run on a pull request) [default: the recipe's]")
 def pipeline_command(model, recipe, name, logs, calib_recipe, calib, policy, suite, registry_uri, publish_model,

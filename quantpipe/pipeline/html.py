@@ -33,7 +33,8 @@ def _scale(kind: str):
 
 def _ticks(kind: str, lo: float, hi: float) -> list[float]:
     if kind == "log":
-        return [10.0 ** e for e in range(math.floor(math.log10(max(lo, 1e-6))), math.ceil(math.log10(max(hi, 1e-6))) + 1)]
+        first, last = (math.floor(math.log10(max(lo, 1e-6))), math.ceil(math.log10(max(hi, 1e-6))))
+        return [10.0 ** e for e in range(first, last + 1)]
     marks = [0.0] + [s * 10.0 ** e for e in range(0, 4) for s in (1, -1)]  # 0, +-1, +-10, +-100, +-1000
     return sorted(v for v in marks if lo <= v <= hi)
 

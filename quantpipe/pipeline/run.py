@@ -276,7 +276,7 @@ def latency_and_gate(run: Run, row: dict, artifact: Path) -> tuple[int, dict]:
 
 
 def publish_step(run: Run, winner: dict | None, artifacts: dict[str, Path]) -> str | None:
-    from quantpipe.registry import DEFAULT_REGISTRY, publish
+    from quantpipe.registry import publish, resolve_registry_uri
 
     recipe = run.recipe
     t = run.step(7, "publish")
@@ -288,7 +288,7 @@ def publish_step(run: Run, winner: dict | None, artifacts: dict[str, Path]) -> s
         return None
     from quantpipe.artifact import artifact_sha256
 
-    reg, name = recipe.registry or DEFAULT_REGISTRY, recipe.publish_name or recipe.name
+    reg, name = resolve_registry_uri(recipe.registry), recipe.publish_name or recipe.name
     artifact = artifacts[winner["name"]]
     existing = _published(reg, name, artifact_sha256(artifact))
     if existing:

@@ -86,7 +86,7 @@ class QuantConfig:
         if self.scheme == "W8A8" and self.smoothquant_alpha is not None:
             return "SmoothQuant"
         if self.kv_cache != "none" and self.kv_cache_strategy == "channel":
-            return "static KV cache scales (kv_cache_strategy channel)"
+            return "static KV cache scales"
         return None
 
     def __post_init__(self) -> None:

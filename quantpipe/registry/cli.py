@@ -15,9 +15,9 @@ registry_option = click.option("--registry-uri", default=None, show_default="sql
 
 
 def _uri(given: str | None) -> str:
-    from quantpipe.registry import DEFAULT_REGISTRY
+    from quantpipe.registry import resolve_registry_uri
 
-    return given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_REGISTRY
+    return resolve_registry_uri(given)
 
 
 def _run(what: str, fn) -> int:

@@ -27,6 +27,12 @@ class RegistryError(StageError):
     """The registry refused or could not be reached; the message names what and why."""
 
 
+def resolve_registry_uri(given: str | None = None) -> str:
+    """The registry to use: the one given, else MLFLOW_TRACKING_URI (as MLflow's own tools
+    do), else the local sqlite store."""
+    return given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_REGISTRY
+
+
 def _client(uri: str):
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -287,7 +293,7 @@ def source_model(uri: str, registry_uri: str | None = None) -> str:
     from quantpipe.artifact import model_sha256
     from quantpipe.runtime.model.loader import resolve_model_path
 
-    registry_uri = registry_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_REGISTRY
+    registry_uri = resolve_registry_uri(registry_uri)
     folder = resolve_model_uri(uri, registry_uri)  # checks the form and that the version exists
     src = read_manifest(folder, f"model {uri}")["source_model"]
     name, alias, version = re.fullmatch(r"models:/([^/@]+)(?:@([^/]+)|/(\d+))", uri).groups()
@@ -309,7 +315,7 @@ def resolve_model_uri(uri: str, registry_uri: str | None = None, cache: str = ".
     """models:/NAME@ALIAS or models:/NAME/VERSION -> a local artifact folder (downloaded once)."""
     import mlflow.artifacts
 
-    registry_uri = registry_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_REGISTRY
+    registry_uri = resolve_registry_uri(registry_uri)
     m = re.fullmatch(r"models:/([^/@]+)(?:@([^/]+)|/(\d+))", uri)
     if not m:
         raise RegistryError(f"model {uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
