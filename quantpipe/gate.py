@@ -130,6 +130,18 @@ def judge(report: dict, candidate: dict, rules: list[Rule]) -> list[dict]:
     return out
 
 
+EXIT_CODES = {"pass": 0, "fail": 1, "cannot_judge": 2}
+
+
+def outcome(rows: list[dict], undecided: bool = False) -> str:
+    """The verdict of judged rule rows: any fail fails; else any row that cannot be judged
+    (or `undecided`: a problem outside the rows) cannot judge; only then pass."""
+    results = {r["result"] for r in rows}
+    if "fail" in results:
+        return "fail"
+    return "cannot_judge" if "cannot_judge" in results or undecided else "pass"
+
+
 def _stratum_of(candidate: dict, path: str) -> dict | None:
     prefix = "quality.strata."
     if not path.startswith(prefix):
@@ -173,13 +185,8 @@ def gate(report_dir: str, policy: str, candidate: str | None = None, artifact: s
                             f"{cand['sha256'][:12]} (the artifact changed after its eval, or it is another one)")
     if all(r["result"] == "skipped" for r in rows):
         problems.append(f"report scope {report.get('scope')} leaves every rule of the policy out")
-    results = {r["result"] for r in rows}
-    if "fail" in results:
-        verdict, code = "fail", 1
-    elif "cannot_judge" in results or problems:
-        verdict, code = "cannot_judge", 2
-    else:
-        verdict, code = "pass", 0
+    verdict = outcome(rows, bool(problems))
+    code = EXIT_CODES[verdict]
     doc = {"verdict": verdict, "passed": verdict == "pass", "scope": report.get("scope"), "rules": rows,
            "problems": problems, "candidate": {"name": cand["name"], "sha256": cand["sha256"], "path": cand["path"]},
            "report": {"path": str(rpath), "sha256": sha256_file(rpath)}, "policy": policy_info,

@@ -26,7 +26,7 @@ import json
 import math
 from pathlib import Path
 
-from quantpipe.gate import Rule, judge, resolve, resolve_keys, write_atomic
+from quantpipe.gate import EXIT_CODES, Rule, judge, outcome, resolve, resolve_keys, write_atomic
 from quantpipe.manifest import StageError, code_version, read_yaml, sha256_file
 
 WORSE = {"higher": "<=", "lower": ">="}
@@ -126,13 +126,8 @@ def against(report_dir: str, baseline_path: str, out: str | None = None, write: 
         rules, unmatched = rules_for(baseline, ref)
         rows += [{**r, "candidate": name} for r in judge(report, by_name[name], rules)]
         problems += [f"candidate {name}: tolerance {p} matches no reference value" for p in unmatched]
-    results = {r["result"] for r in rows}
-    if "fail" in results:
-        verdict, code = "fail", 1
-    elif "cannot_judge" in results or problems or not rows:
-        verdict, code = "cannot_judge", 2
-    else:
-        verdict, code = "pass", 0
+    verdict = outcome(rows, bool(problems) or not rows)
+    code = EXIT_CODES[verdict]
     doc = {"verdict": verdict, "passed": verdict == "pass", "kind": "regression", "rules": rows,
            "problems": problems, "baseline": {"path": baseline_path, "sha256": sha256_file(baseline_path),
                                               "recorded": baseline["references"].get("recorded")},

@@ -11,7 +11,8 @@ QUALITY = [("ppl_delta_pct", "ppl delta %", "{:+.2f}"), ("kl_mean", "KL mean", "
            ("top5_miss", "top-5 miss", "{:.2%}")]
 
 
-def _ci(v, fmt: str) -> str:
+def format_ci(v, fmt: str) -> str:
+    """A point with its CI ([lower, upper]) or standard error (±), or a plain number; - if missing."""
     if isinstance(v, dict):
         if v.get("point") is None:
             return "-"
@@ -141,25 +142,25 @@ def report_html(report: dict, verdict: dict | None = None) -> str:
         mem = c["memory"]
         rows.append([c["name"], c["weights"], f"{mem['weight_bytes_ratio']:.1%}",
                      f"{mem['kv_bytes_per_token_ratio']:.1%}" if "kv_bytes_per_token_ratio" in mem else ""]
-                    + [_ci(q.get(k), fmt) for k, _, fmt in QUALITY]
-                    + [_ci(c.get("generation", {}).get("exact_match"), "{:.1%}"),
-                       _ci((c.get("mc") or {}).get("accuracy_drop_points"), "{:+.1f}"),
-                       _ci((lat.get("tpot_p50_ratio") or {}).get("point"), "{:.2f}"),
-                       _ci((lat.get("output_tokens_per_s_ratio") or {}).get("point"), "{:.2f}")])
+                    + [format_ci(q.get(k), fmt) for k, _, fmt in QUALITY]
+                    + [format_ci(c.get("generation", {}).get("exact_match"), "{:.1%}"),
+                       format_ci((c.get("mc") or {}).get("accuracy_drop_points"), "{:+.1f}"),
+                       format_ci((lat.get("tpot_p50_ratio") or {}).get("point"), "{:.2f}"),
+                       format_ci((lat.get("output_tokens_per_s_ratio") or {}).get("point"), "{:.2f}")])
     parts.append("<h2>Side by side</h2>" + html_table(rows, head))
     for c in report["candidates"]:
         parts.append(f"<h2>{html.escape(c['name'])} ({html.escape(c['weights'])}, {html.escape(c['method'])})</h2>")
         q = c.get("quality")
         if q:
-            srows = [[name] + [s.get("texts")] + [_ci(s.get(k), fmt) for k, _, fmt in QUALITY]
+            srows = [[name] + [s.get("texts")] + [format_ci(s.get(k), fmt) for k, _, fmt in QUALITY]
                      for name, s in q["strata"].items()]
             parts.append("<h3>Per stratum</h3>" + html_table(srows, ["stratum", "texts"] + [lb for _, lb, _ in QUALITY]))
             parts.append(_ci_bars(q["strata"], "ppl_delta_pct", "perplexity delta %"))
             parts.append(_ci_bars(q["strata"], "kl_mean", "mean per-token KL"))
             parts.append("<h3>Per-token KL</h3>" + _histogram(q["kl_histogram"]))
         if c.get("mc"):
-            mrows = [[t, _ci(v["acc_baseline"], "{:.3f}"), _ci(v["acc_candidate"], "{:.3f}"),
-                      _ci(v["accuracy_drop_points"], "{:+.1f}"), v["accuracy_drop_points"]["n"]]
+            mrows = [[t, format_ci(v["acc_baseline"], "{:.3f}"), format_ci(v["acc_candidate"], "{:.3f}"),
+                      format_ci(v["accuracy_drop_points"], "{:+.1f}"), v["accuracy_drop_points"]["n"]]
                      for t, v in c["mc"]["tasks"].items()]
             parts.append("<h3>Multiple choice (BIG-bench, acc)</h3>"
                          + html_table(mrows, ["task", "baseline", "candidate", "drop (points)", "items"]))

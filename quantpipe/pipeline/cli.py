@@ -62,11 +62,9 @@ def apply_flags(r, name=None, logs=(), calib_recipe=None, calib=None, policy=Non
             raise StageError("--calib (an existing set) takes no --logs or --calib-recipe")
         r = r.with_calibrate({"set": calib}, "--calib")
     elif logs or calib_recipe:
-        fields = dict(r.calib_fields)
-        if logs:
-            fields["logs"] = list(logs)
-        section = {**({"recipe": calib_recipe or r.calib_recipe} if (calib_recipe or r.calib_recipe) else {}),
-                   **fields}
+        recipe_file = calib_recipe or r.calib_recipe
+        section = {**({"recipe": recipe_file} if recipe_file else {}), **r.calib_fields,
+                   **({"logs": list(logs)} if logs else {})}
         r = r.with_calibrate(section, "--logs/--calib-recipe")
     given = {k: v for k, v in (candidate or {}).items() if v is not None}
     if given:

@@ -11,17 +11,9 @@ import html
 import math
 
 from quantpipe.calibrate.report import html_table
+from quantpipe.eval.html import format_ci
 
 COLORS = {"pass": "#2ca02c", "fail": "#d62728", "cannot_judge": "#ff7f0e", "not_reached": "#1f77b4"}
-
-
-def _fmt(v, fmt: str) -> str:
-    if isinstance(v, dict):
-        if v.get("point") is None:
-            return "-"
-        s = fmt.format(v["point"])
-        return s + (f" [{fmt.format(v['ci_lower'])}, {fmt.format(v['ci_upper'])}]" if "ci_lower" in v else "")
-    return "-" if v is None else fmt.format(v)
 
 
 def _scale(kind: str):
@@ -106,8 +98,8 @@ def search_html(doc: dict) -> str:
                         if v is not None) or ("not measured" if c["status"] != "pass" else "-")
         rows.append([c["name"], c["status"], f"{c['serving_bytes'] / 2**30:.3f} GiB",
                      f"{c['weight_file_bytes'] / 2**20:.1f} MiB", c["kv_bytes_per_token"],
-                     _fmt(q.get("ppl_delta_pct"), "{:+.2f}"), _fmt(q.get("kl_mean"), "{:.4f}"),
-                     _fmt(q.get("top1_agreement"), "{:.2%}"), _fmt(c.get("mc_drop_points"), "{:+.1f}"), lat,
+                     format_ci(q.get("ppl_delta_pct"), "{:+.2f}"), format_ci(q.get("kl_mean"), "{:.4f}"),
+                     format_ci(q.get("top1_agreement"), "{:.2%}"), format_ci(c.get("mc_drop_points"), "{:+.1f}"), lat,
                      "; ".join(c["failed"]) or "none"])
     if doc["winner"]:
         outcome = (f"<p class='outcome'><b>winner: {html.escape(doc['winner'])}</b> "

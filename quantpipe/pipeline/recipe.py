@@ -20,18 +20,17 @@ recipe only routes the keys to them.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import quantpipe.evals
 from quantpipe.manifest import StageError, read_yaml, sha256_file
+from quantpipe.registry.publish import MODEL_NAME
 
 DEFAULT_RECIPE = Path(quantpipe.evals.__file__).resolve().parent / "recipes" / "default.yaml"
 SECTIONS = ("name", "calibrate", "candidates", "kernels", "eval", "gate", "publish")
 KERNEL_BUILDS = ("auto", "off")
 RESERVED = ("quality", "search.json", "search.html")  # reports/NAME/ entries beside the candidates' folders
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
 @dataclass(frozen=True)
@@ -138,9 +137,7 @@ class PipelineRecipe:
             if self.calib_recipe:
                 return CalibConfig.from_recipe(self.calib_recipe, out=out, model=model, overwrite=True, **fields)
             return CalibConfig(**fields, out=out, model=model, overwrite=True)
-        except StageError as e:
-            raise StageError(f"{where}: calibrate: {e}") from None
-        except TypeError as e:
+        except (StageError, TypeError) as e:  # TypeError: a value of the wrong kind reached a check
             raise StageError(f"{where}: calibrate: {e}") from None
 
     def with_candidates(self, cands: list, where: str = "recipe") -> PipelineRecipe:
@@ -203,6 +200,6 @@ def _section(data: dict, key: str, where: str, allowed: tuple[str, ...] | None =
 
 
 def check_name(name, where: str) -> None:
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
         raise StageError(f"{where} must be 1-100 letters, digits, '.', '_' or '-' (a folder and registry name); "
                          f"got {name!r}")

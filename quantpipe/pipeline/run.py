@@ -58,9 +58,12 @@ class Run:
     recipe: PipelineRecipe
     model: str | None
     policy: str
+    suite: object = None  # EvalSuite, loaded once before any step runs
     src: str = ""
     src_sha: str = ""
     calib: str = ""
+    heldout_sha: str = ""  # hashes computed once, for every step's key
+    shas: dict = field(default_factory=dict)  # candidate name -> artifact sha256
     keys: Keys = None
     times: dict = field(default_factory=dict)
 
@@ -86,7 +89,7 @@ class Run:
 def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
     """Exit code: 0 a candidate passed the whole gate (and was published unless publishing is
     off), 1 every candidate judged failed, 2 none passed and at least one could not be judged."""
-    from quantpipe.artifact import model_sha256
+    from quantpipe.artifact import artifact_sha256, model_sha256
     from quantpipe.gate import DEFAULT_POLICY
     from quantpipe.runtime.model.loader import resolve_model_path
 
@@ -107,7 +110,9 @@ def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
     run.src_sha = model_sha256(run.src)
     _check_configs(run)
     run.calib = calibrate_step(run)
+    run.heldout_sha = sha256_file(Path(run.calib) / "heldout.jsonl")
     artifacts = {c.name: quantize_step(run, c) for c in recipe.candidates}
+    run.shas = {name: artifact_sha256(a) for name, a in artifacts.items()}
     kernels_note = kernels_step(run)
     quality = quality_step(run, artifacts)
 
@@ -145,7 +150,7 @@ def _check_configs(run: Run) -> None:
     from quantpipe.eval.suite import EvalSuite
     from quantpipe.gate import load_policy
 
-    EvalSuite.load(run.recipe.suite)
+    run.suite = EvalSuite.load(run.recipe.suite)
     load_policy(run.policy)
 
 
@@ -226,19 +231,15 @@ def kernels_build(run: Run, row: dict, artifact: Path, note: str | None) -> None
 
 def quality_step(run: Run, artifacts: dict[str, Path]) -> dict:
     """Every candidate's quality in one pass over the held-out set (the baseline runs once per text)."""
-    from quantpipe.artifact import artifact_sha256
     from quantpipe.eval.stage import evaluate, read_report
-    from quantpipe.eval.suite import EvalSuite
 
-    suite = EvalSuite.load(run.recipe.suite)
     out = run.reports / "quality"
-    shas = {name: artifact_sha256(a) for name, a in artifacts.items()}
-    key = _key("quality", shas, sha256_file(Path(run.calib) / "heldout.jsonl"), suite.to_dict(), run.src_sha)
+    key = _key("quality", run.shas, run.heldout_sha, run.suite.to_dict(), run.src_sha)
     t = run.step(4, "eval quality", f"{len(artifacts)} candidate(s) against the source model on {run.calib}")
     if run.keys.fresh("quality", key, out / "report.json"):
         run.done(t, f"unchanged, reusing {out}", "eval")
         return read_report(out)
-    report = evaluate([str(a) for a in artifacts.values()], run.calib, str(out), run.model, suite, "quality",
+    report = evaluate([str(a) for a in artifacts.values()], run.calib, str(out), run.model, run.suite, "quality",
                       overwrite=True)
     run.keys.record("quality", key)
     run.done(t, f"wrote {out}/report.json", "eval")
@@ -247,31 +248,25 @@ def quality_step(run: Run, artifacts: dict[str, Path]) -> dict:
 
 def latency_and_gate(run: Run, row: dict, artifact: Path) -> tuple[int, dict]:
     """The candidate's latency A/B, its full report (quality + latency) and the gate's verdict on it."""
-    from quantpipe.artifact import artifact_sha256
     from quantpipe.eval.stage import combine, evaluate
-    from quantpipe.eval.suite import EvalSuite
     from quantpipe.gate import gate
+    from quantpipe.pipeline.search import failed_rules
 
-    suite = EvalSuite.load(run.recipe.suite)
     lat_dir, full = run.reports / f"latency-{row['name']}", run.reports / row["name"]
-    key = _key("latency", artifact_sha256(artifact), sha256_file(Path(run.calib) / "heldout.jsonl"),
-               suite.to_dict(), run.src_sha)
+    key = _key("latency", run.shas[row["name"]], run.heldout_sha, run.suite.to_dict(), run.src_sha)
     t = run.step(6, "eval latency", f"{row['name']} against the source model, served in turn")
     if run.keys.fresh(f"latency:{row['name']}", key, lat_dir / "report.json"):
         run.done(t, f"unchanged, reusing {lat_dir}", "eval")
     else:
-        evaluate([str(artifact)], run.calib, str(lat_dir), run.model, suite, "latency", overwrite=True)
+        evaluate([str(artifact)], run.calib, str(lat_dir), run.model, run.suite, "latency", overwrite=True)
         run.keys.record(f"latency:{row['name']}", key)
         run.done(t, f"wrote {lat_dir}/report.json", "eval")
     combine(str(run.reports / "quality"), str(lat_dir), row["name"], str(full), overwrite=True)
     t = run.step(6, "gate", f"{row['name']}: {run.policy}")
     code, verdict = gate(str(full), run.policy, artifact=str(artifact))
     run.done(t, f"verdict {verdict['verdict']}", "gate")
-    for r in verdict["rules"]:
-        if r["result"] in ("fail", "cannot_judge"):
-            value = f"{r['value']:.4g}" if "value" in r else r.get("reason", "")
-            click.echo(f"      {r['result'].upper()}: {r['metric']} ({r['compare']}) = {value}, needs {r['op']} "
-                       f"{r['threshold']:g}", err=True)
+    for line in failed_rules(verdict["rules"]):
+        click.echo(f"      not passed: {line}", err=True)
     return code, verdict
 
 
@@ -286,11 +281,9 @@ def publish_step(run: Run, winner: dict | None, artifacts: dict[str, Path]) -> s
     if not recipe.publish:
         run.done(t, f"skipped (publishing off): {winner['name']} passed, nothing was registered", "publish")
         return None
-    from quantpipe.artifact import artifact_sha256
-
     reg, name = resolve_registry_uri(recipe.registry), recipe.publish_name or recipe.name
     artifact = artifacts[winner["name"]]
-    existing = _published(reg, name, artifact_sha256(artifact))
+    existing = _published(reg, name, run.shas[winner["name"]])
     if existing:
         run.done(t, f"already published as {existing}", "publish")
         return existing

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantpipe.gate import judge, load_policy, write_atomic
+from quantpipe.gate import judge, load_policy, outcome, write_atomic
 
 QUALITY_KEYS = ("ppl_delta_pct", "kl_mean", "top1_agreement")
 
@@ -24,7 +24,7 @@ def serving_bytes(memory: dict, kv_tokens: int) -> int:
     return int(memory["weight_file_bytes"] + memory["kv_bytes_per_token"] * kv_tokens)
 
 
-def _failed(rows: list[dict]) -> list[str]:
+def failed_rules(rows: list[dict]) -> list[str]:
     """The rules not passed, one line per policy rule: a wildcard rule (every stratum) says
     how many of its metrics failed and the worst of them."""
     groups: dict[str, list[dict]] = {}
@@ -47,11 +47,6 @@ def _failed(rows: list[dict]) -> list[str]:
     return out
 
 
-def _result(rows: list[dict]) -> str:
-    results = {r["result"] for r in rows}
-    return "fail" if "fail" in results else "cannot_judge" if "cannot_judge" in results else "pass"
-
-
 def quality_table(report: dict, policy: str, kv_tokens: int) -> list[dict]:
     """One row per candidate of a quality-scope report, cheapest first, judged on every rule
     the report's scope covers (quality and memory; latency rules wait for the A/B)."""
@@ -67,7 +62,7 @@ def quality_table(report: dict, policy: str, kv_tokens: int) -> list[dict]:
             "weight_bytes_ratio": mem["weight_bytes_ratio"],
             "quality": {k: cand.get("quality", {}).get(k) for k in QUALITY_KEYS},
             "mc_drop_points": (cand.get("mc") or {}).get("accuracy_drop_points"),
-            "quality_result": _result(judged), "failed": _failed(judged), "quality_rules": len(judged),
+            "quality_result": outcome(judged), "failed": failed_rules(judged), "quality_rules": len(judged),
             "verdict": None})
     return sorted(rows, key=lambda r: (r["serving_bytes"], r["name"]))
 
@@ -76,7 +71,7 @@ def final_row(verdict: dict) -> dict:
     """What the whole gate said of a candidate that reached the latency A/B."""
     judged = [r for r in verdict["rules"] if r["result"] != "skipped"]
     return {"verdict": verdict["verdict"], "rules": len(judged),
-            "rules_met": sum(r["result"] == "pass" for r in judged), "failed": _failed(judged) + verdict["problems"],
+            "rules_met": sum(r["result"] == "pass" for r in judged), "failed": failed_rules(judged) + verdict["problems"],
             "latency": {r["metric"]: r.get("value") for r in judged if r["metric"].startswith("latency.")}}
 
 

@@ -17,4 +17,5 @@ from quantpipe.registry.publish import (
     source_model,
 )
 
-__all__ = ["DEFAULT_REGISTRY", "RegistryError", "promote", "publish", "resolve_model_uri", "resolve_registry_uri", "rollback", "source_model"]
+__all__ = ["DEFAULT_REGISTRY", "RegistryError", "promote", "publish", "resolve_model_uri", "resolve_registry_uri",
+           "rollback", "source_model"]

@@ -27,6 +27,10 @@ class RegistryError(StageError):
     """The registry refused or could not be reached; the message names what and why."""
 
 
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")  # a registered model's name (and a folder name)
+MODEL_URI = re.compile(r"models:/([^/@]+)(?:@([^/]+)|/(\d+))")  # models:/NAME@ALIAS or models:/NAME/VERSION
+
+
 def resolve_registry_uri(given: str | None = None) -> str:
     """The registry to use: the one given, else MLFLOW_TRACKING_URI (as MLflow's own tools
     do), else the local sqlite store."""
@@ -149,7 +153,7 @@ def publish(artifact: str, verdict_path: str, name: str, registry_uri: str = DEF
     from quantpipe.gate import DEFAULT_POLICY
     from quantpipe.registry.pyfunc import PREDICT_PARAMS, QuantpipeModel
 
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}", name or ""):
+    if not MODEL_NAME.fullmatch(name or ""):
         raise StageError(f"--name {name!r}: letters, digits, '_', '.', '-' (at most 100, starting alphanumeric)")
     manifest = read_manifest(artifact, "artifact")
     try:
@@ -296,7 +300,7 @@ def source_model(uri: str, registry_uri: str | None = None) -> str:
     registry_uri = resolve_registry_uri(registry_uri)
     folder = resolve_model_uri(uri, registry_uri)  # checks the form and that the version exists
     src = read_manifest(folder, f"model {uri}")["source_model"]
-    name, alias, version = re.fullmatch(r"models:/([^/@]+)(?:@([^/]+)|/(\d+))", uri).groups()
+    name, alias, version = MODEL_URI.fullmatch(uri).groups()
     client = _client(registry_uri)
     mv = _version(client, name, _alias_version(client, name, alias) if alias else version)
     places = [mv.tags.get("quantpipe.source_model_path")]
@@ -316,7 +320,7 @@ def resolve_model_uri(uri: str, registry_uri: str | None = None, cache: str = ".
     import mlflow.artifacts
 
     registry_uri = resolve_registry_uri(registry_uri)
-    m = re.fullmatch(r"models:/([^/@]+)(?:@([^/]+)|/(\d+))", uri)
+    m = MODEL_URI.fullmatch(uri)
     if not m:
         raise RegistryError(f"model {uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
     name, alias, version = m.groups()
