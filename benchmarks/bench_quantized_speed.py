@@ -9,13 +9,16 @@ on CPUs with native bf16), the runs alternate model by model for `--repeats` rou
 - offline throughput on chat-cpu (at `--length-scale`), 16 sequences in flight;
 - then, through the server (`quantpipe serve`, one per model, all started first, driven
   one at a time in alternating order): output tokens/s of the same chat-cpu requests at
-  16 concurrent, streamed, with TTFT and TPOT P50 (`--no-server` skips it).
-Prints medians and ratios to the baseline.
+  16 concurrent, streamed, with TTFT P50 and P99 and TPOT P50 (`--no-server` skips it).
+`--also-with VAR=VALUE` runs each artifact a second time, loaded with that environment
+variable set (e.g. `QUANTPIPE_CPU_PACKED=0`: a kernel off), in the same rounds: before and
+after in one run. Prints medians and ratios to the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -35,10 +38,15 @@ def main() -> None:
     ap.add_argument("--length-scale", type=float, default=0.5)
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--no-server", action="store_true")
+    ap.add_argument("--also-with", metavar="VAR=VALUE", help="also run each artifact with this variable set")
     args = ap.parse_args()
     names = ["baseline"] + args.artifacts
-    llms = {n: LLM(model=None if n == "baseline" else n, dtype="auto", max_num_seqs=16, max_model_len=2048, seed=0)
-            for n in names}
+    if args.also_with:
+        names += [f"{a} [{args.also_with}]" for a in args.artifacts]
+    llms = {}
+    for n in names:
+        with loaded_as(n):
+            llms[n] = LLM(model=path_of(n), dtype="auto", max_num_seqs=16, max_model_len=2048, seed=0)
     tok = llms["baseline"].get_tokenizer()
     spec = preset("chat-cpu", num_requests=args.num_requests, length_scale=args.length_scale)
     reqs = materialize(spec, tok)
@@ -59,16 +67,39 @@ def main() -> None:
     base = {k: statistics.median(v) for k, v in results["baseline"].items() if v}
     print(f"\ndtype: {dtype}; chat-cpu x{args.length_scale}, {len(reqs)} requests, "
           f"{sum(outs)} output tokens; medians of {args.repeats}")
-    cols = [k for k in ("decode", "throughput", "server", "server_ttft_p50", "server_tpot_p50") if k in base]
+    cols = [k for k in ("decode", "throughput", "server", "server_ttft_p50", "server_ttft_p99", "server_tpot_p50")
+            if k in base]
     heads = {"decode": "batch-1 decode tok/s", "throughput": "chat-cpu offline tok/s",
              "server": "chat-cpu server tok/s (16 concurrent)", "server_ttft_p50": "server TTFT P50 s",
-             "server_tpot_p50": "server TPOT P50 s"}
+             "server_ttft_p99": "server TTFT P99 s", "server_tpot_p50": "server TPOT P50 s"}
     print("| model | kernels | " + " | ".join(f"{heads[c]} | vs baseline" for c in cols) + " |")
     print("| --- | --- |" + " --- | --- |" * len(cols))
     for n in names:
         med = {k: statistics.median(results[n][k]) for k in cols}
-        print(f"| {os.path.basename(n)} | {', '.join(kinds[n]) or '-'} | "
+        print(f"| {os.path.basename(path_of(n) or n)}{n[len(path_of(n) or n):]} | {', '.join(kinds[n]) or '-'} | "
               + " | ".join(f"{med[c]:.3g} | {med[c] / base[c]:.2f}x" for c in cols) + " |")
+
+
+def path_of(name: str) -> str | None:
+    return None if name == "baseline" else name.split(" [")[0]
+
+
+@contextlib.contextmanager
+def loaded_as(name: str):
+    """The environment a model named "PATH [VAR=VALUE]" is loaded (or its server started) with."""
+    if " [" not in name:
+        yield
+        return
+    var, _, value = name.split(" [")[1].rstrip("]").partition("=")
+    old = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = old
 
 
 def served(names: list[str], reqs, results: dict, repeats: int) -> None:
@@ -80,14 +111,16 @@ def served(names: list[str], reqs, results: dict, repeats: int) -> None:
     from quantpipe.runtime.server.process import Served
 
     with contextlib.ExitStack() as stack:
-        urls = {n: stack.enter_context(Served(None if n == "baseline" else n, 2048,
-                                              ["--kv-cache-memory", KV_CACHE_MEMORY, "--max-num-seqs", "16"])).url
-                for n in names}
+        urls = {}
+        for n in names:
+            with loaded_as(n):
+                urls[n] = stack.enter_context(Served(path_of(n), 2048, ["--kv-cache-memory", KV_CACHE_MEMORY,
+                                                                        "--max-num-seqs", "16"])).url
         for r in range(repeats):
             for n in (names if r % 2 == 0 else list(reversed(names))):
                 run = asyncio.run(_drive(urls[n], reqs, concurrency=16))
                 for key, value in (("server", run["output_tokens_per_s"]), ("server_ttft_p50", run["ttft_p50_s"]),
-                                   ("server_tpot_p50", run["tpot_p50_s"])):
+                                   ("server_ttft_p99", run["ttft_p99_s"]), ("server_tpot_p50", run["tpot_p50_s"])):
                     results[n].setdefault(key, []).append(value)
                 print(n, "server", {k: round(v[-1], 4) for k, v in results[n].items()}, flush=True)
 

@@ -22,7 +22,8 @@ import torch
 log = logging.getLogger("quantpipe.runtime")
 
 # One module: the decode kernel, the fused element-wise ops and the int8 Linear (one build, one cache key).
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "elementwise.cpp", "int8_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "elementwise.cpp", "int8_linear.cpp",
+                                                           "packed_linear.cpp")]
 
 
 def _cpu_flags() -> str:

@@ -11,14 +11,20 @@ guessed, and each choice is logged once at load:
 - `int4pack`: W4 with a group size of 32/64/128/256 dividing K -> torch's CPU int4 mm
   (its zero convention, w = (u - 8) * scale + zero with a float zero, is converted from
   compressed-tensors' integer zero point at load)
-- `w8a8`: INT8 weights and per-token INT8 activations (W8A8)
+- `packed-f32`: float32 models on CPU (where the CPU has no native bf16), W8 per channel or
+  by group and W4 by group, K a multiple of 32 -> quantpipe's CPU kernel
+  (csrc/packed_linear.cpp): the weights stay at their packed size and are widened in
+  cache-sized tiles where they are multiplied, at every row count
+- `w8a8`: INT8 weights and per-token INT8 activations (W8A8); in float32 on CPU its integer
+  weights stay int8 and go through the packed kernel
 - `triton-mixed` / `triton-w8a8` (CUDA): the Triton kernels of quantpipe.kernels with the
   configs `quantpipe kernels build` chose and recorded in the artifact's kernels.json
-- `dequant`: anything else (other group sizes, W8 by group, CUDA without a kernels.json
-  built for the device): weights dequantized once to the model dtype, then plain F.linear.
+- `dequant`: anything else (bf16 with other group sizes or W8 by group, CUDA without a
+  kernels.json built for the device, no C++ compiler): weights dequantized once to the
+  model dtype, then plain F.linear.
 
 torch's CPU int kernels are fast only with bf16 activations: with float32 ones they ran
-10-60x slower than float32 F.linear (measured), so a float32 model takes `dequant`.
+10-60x slower than float32 F.linear (measured), so a float32 model takes `packed-f32`.
 """
 
 from __future__ import annotations
@@ -52,6 +58,24 @@ def int8_kernel():
 
     ext = extension()
     return ext if ext is not None and ext.int8_linear_vectorized() else None
+
+
+def packed_kernel():
+    """The compiled CPU module whose packed_linear_f32 serves float32 models, or None (no
+    compiler, or QUANTPIPE_CPU_PACKED=0: then float32 models take `dequant`)."""
+    if os.environ.get("QUANTPIPE_CPU_PACKED", "1") == "0":
+        return None
+    from quantpipe.runtime.model.cpu_attention import extension
+
+    return extension()
+
+
+def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] values 0..15 -> [N, K / 2] in the packed kernel's 4-bit layout: byte i of
+    each 16 carries value i of its 32 in the low nibble and value 16 + i in the high one."""
+    n, k = u.shape
+    c = u.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
 @dataclass
@@ -137,6 +161,40 @@ class Int4PackLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class PackedLinear(nn.Module):
+    """W8 or W4 weights at their packed size for a float32 model on CPU (csrc/packed_linear.cpp).
+
+    The kernel widens the integers to float32 and applies w = (u - zero) * scale per group
+    before multiplying: the same product as `dequant`'s weights, without holding them.
+    """
+
+    kernel = "packed-f32"
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = qw.q.shape
+        self.bits = qw.num_bits
+        groups = 1 if qw.group_size is None else self.in_features // qw.group_size
+        zero = torch.zeros_like(qw.scale, dtype=torch.float32) if qw.zero is None else qw.zero.float()
+        if self.bits == 4:  # stored unsigned: u = q + 8, so the zero point moves by 8 too
+            self.register_buffer("weight_packed", pack_nibbles(qw.q.to(torch.int16) + 8))
+            zero = zero + 8
+        else:
+            self.register_buffer("weight_packed", qw.q.contiguous())
+        self.register_buffer("scales", qw.scale.float().reshape(self.out_features, groups).contiguous())
+        self.register_buffer("zeros", None if qw.zero is None and self.bits == 8
+                             else zero.reshape(self.out_features, groups).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.ext = packed_kernel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.ext.packed_linear_f32(x.reshape(-1, shape[-1]), self.weight_packed, self.bits, self.scales,
+                                       self.zeros)
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class W8A8Linear(nn.Module):
     """INT8 weights per channel, activations quantized per token (dynamic, symmetric) on the fly.
 
@@ -155,7 +213,10 @@ class W8A8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
         self.gemm_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        self.register_buffer("weight_q", qw.q.to(self.gemm_dtype).contiguous())  # integer values, exact
+        # float32 on CPU: the integer weights stay int8 and the packed kernel widens them.
+        self.ext = packed_kernel() if self.gemm_dtype == torch.float32 and self.in_features % 32 == 0 else None
+        weight_q = qw.q.contiguous() if self.ext is not None else qw.q.to(self.gemm_dtype).contiguous()
+        self.register_buffer("weight_q", weight_q)  # integer values, exact
         self.register_buffer("weight_scale", qw.scale.reshape(-1).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
@@ -163,7 +224,10 @@ class W8A8Linear(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, shape[-1]).float()
         xq, xs = quantize_per_token(xf)
-        y = F.linear(xq.to(self.gemm_dtype), self.weight_q).float() * xs * self.weight_scale
+        if self.ext is not None and xq.is_cpu:
+            y = self.ext.packed_linear_f32(xq, self.weight_q, 8) * xs * self.weight_scale
+        else:
+            y = F.linear(xq.to(self.gemm_dtype), self.weight_q.to(self.gemm_dtype)).float() * xs * self.weight_scale
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -197,8 +261,14 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype) -> typ
     n, k = qw.q.shape
     if qw.act_bits is not None:
         return W8A8Linear  # activations must be quantized too: the same function on every path
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    if device.type != "cpu":
         return DequantLinear  # CUDA: the Triton kernels of quantpipe.kernels, once built
+    if dtype == torch.float32:
+        if qw.num_bits in (4, 8) and k % 32 == 0 and packed_kernel() is not None:
+            return PackedLinear
+        return DequantLinear
+    if dtype != torch.bfloat16:
+        return DequantLinear
     if qw.num_bits == 8 and qw.group_size is None and qw.zero is None:
         return Int8PackLinear
     if qw.num_bits == 4 and qw.group_size in INT4_GROUPS and k % qw.group_size == 0 and n % 16 == 0:
@@ -228,7 +298,8 @@ def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch
     `plan` (a quantpipe.kernels KernelPlan, CUDA only) runs its cases through the Triton kernels;
     a case it lacks takes the fallback below, said once per case.
     """
-    kinds = {"int8pack": Int8PackLinear, "int4pack": Int4PackLinear, "dequant": DequantLinear, "w8a8": W8A8Linear}
+    kinds = {"int8pack": Int8PackLinear, "int4pack": Int4PackLinear, "packed-f32": PackedLinear,
+             "dequant": DequantLinear, "w8a8": W8A8Linear}
     chosen: dict[str, str] = {}
     missing: dict[str, str] = {}
     for name, qw in weights.items():

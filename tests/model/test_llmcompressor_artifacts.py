@@ -31,7 +31,7 @@ def test_llmcompressor_checkpoint_matches_its_own_logits(name):
     # llm-compressor's W8A16 preset is group 128: torch has no grouped int8 kernel, so it dequantizes.
     assert fast == {"w4a16": "int4pack", "w4a16-asym": "int4pack", "w8a16": "dequant", "w8a8": "w8a8",
                     "w4a16-gptq-kv-fp8": "int4pack"}[name]
-    for force in {fast, "dequant"}:  # checked in float32 on each path
+    for force in {fast, "dequant", "packed-f32"}:  # checked in float32 on each path
         model, _, _ = load_model(folder, torch.float32, quant_kernel=force)
         got = sequence_logits(model, ref["ids"])
         # Identical arithmetic up to float32 summation order (W8A8: integer matmul vs float).

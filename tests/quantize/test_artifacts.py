@@ -68,7 +68,7 @@ def test_quantize_load_generate_and_match_reference(tmp_path, arch, name):
     bf16, _, _ = load_model(out, torch.bfloat16)
     assert {type(m).kernel for m in bf16.modules() if hasattr(m, "kernel")} == {kernel}
     # ... and every path computes the same function (checked in float32).
-    for force in {kernel, "dequant"}:
+    for force in {kernel, "dequant", "packed-f32"}:
         model, _, _ = load_model(out, torch.float32, quant_kernel=force)
         assert {type(m).kernel for m in model.modules() if hasattr(m, "kernel")} == {force}
         got = sequence_logits(model, IDS)

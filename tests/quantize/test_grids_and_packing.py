@@ -249,6 +249,48 @@ def test_cpu_int8_kernel_rounds_the_float32_product_once(n, k):
         ext.int8_linear_bf16(torch.zeros(1, 3, dtype=torch.bfloat16), w, scale)
 
 
+@pytest.mark.parametrize("bits, group, symmetric", [(8, None, True), (8, 32, False), (4, 32, True), (4, 64, False)])
+def test_packed_linear_is_the_dequantized_product_on_each_of_its_paths(bits, group, symmetric):
+    """A float32 model on CPU keeps W8/W4 weights packed (csrc/packed_linear.cpp): its decode
+    (<= 16 rows), tiles (<= 512) and prefill paths all compute x @ dequantized.T, in float32."""
+    from quantpipe.runtime.model.quantized import PackedLinear, kernel_for, packed_kernel
+
+    if packed_kernel() is None:
+        pytest.skip("no C++ compiler here: float32 models dequantize")
+    g = torch.Generator().manual_seed(0)
+    n, k = 200, 576  # N not a multiple of the 4-row tiles, K several vector widths
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
+    groups = 1 if group is None else k // group
+    zero = None if symmetric else torch.randint(lo // 2, hi // 2, (n, groups), generator=g).float()
+    qw = QuantWeight(q, torch.rand(n, groups, generator=g) / 50 + 1e-3, zero, bits, group)
+    assert kernel_for(qw, torch.device("cpu"), torch.float32) is PackedLinear
+    bias = torch.randn(n, generator=g)
+    lin = PackedLinear(qw, bias, torch.float32)
+    assert lin.weight_packed.numel() == n * k * bits // 8  # held at its packed size
+    w = qw.dequantize(torch.float32)
+    for rows in (1, 2, 3, 16, 17, 100, 512, 513):
+        x = torch.randn(rows, k, generator=g)
+        ref = x @ w.t() + bias
+        with torch.inference_mode():  # as the engine runs it (the kernel's threads too)
+            got = lin(x)
+        assert torch.equal(got, lin(x))
+        assert got.shape == (rows, n)
+        assert torch.allclose(got, ref, atol=1e-4 * ref.abs().max(), rtol=1e-4), (rows, (got - ref).abs().max())
+    with pytest.raises(RuntimeError, match="x has 64 columns"):
+        lin.ext.packed_linear_f32(torch.zeros(1, 64), lin.weight_packed, bits, lin.scales, lin.zeros)
+    odd = QuantWeight(torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1), None, 8, None)
+    assert kernel_for(odd, torch.device("cpu"), torch.float32).kernel == "dequant"  # K not a multiple of 32
+
+
+def test_packed_kernel_off_leaves_float32_models_dequantized(monkeypatch):
+    from quantpipe.runtime.model.quantized import kernel_for
+
+    qw = QuantWeight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 8, None)
+    monkeypatch.setenv("QUANTPIPE_CPU_PACKED", "0")
+    assert kernel_for(qw, torch.device("cpu"), torch.float32).kernel == "dequant"
+
+
 def test_w8a8_linear_in_bf16_is_the_float32_function_within_bf16_rounding():
     """Served in bf16, W8A8 holds its integer weights as bf16 (exact) and takes the bf16 GEMM."""
     from quantpipe.runtime.model.quantized import W8A8Linear

@@ -243,11 +243,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 }  // namespace
 
-// elementwise.cpp and int8_linear.cpp, built into the same module.
+// elementwise.cpp, int8_linear.cpp and packed_linear.cpp, built into the same module.
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
 torch::Tensor int8_linear_bf16(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale);
 bool int8_linear_vectorized();
+torch::Tensor packed_linear_f32(const torch::Tensor& x, const torch::Tensor& weight, int64_t bits,
+                                const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& zero,
+                                int64_t max_decode_rows, int64_t max_tile_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache",
@@ -258,4 +261,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear_bf16", &int8_linear_bf16, "bf16 rows times int8 weights scaled per output channel",
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear_vectorized", &int8_linear_vectorized, "whether int8_linear_bf16 was built with AVX-512");
+  m.def("packed_linear_f32", &packed_linear_f32, "float32 rows times packed int8 or 4-bit weights",
+        py::arg("x"), py::arg("weight"), py::arg("bits"), py::arg("scale") = py::none(), py::arg("zero") = py::none(),
+        py::arg("max_decode_rows") = 16, py::arg("max_tile_rows") = 512, py::call_guard<py::gil_scoped_release>());
 }
