@@ -9,6 +9,8 @@ passed.
     .venv/bin/python benchmarks/bench_latency_self.py --calib calib_sets/sample-set --seeds 20 --repeats 8
     .venv/bin/python benchmarks/bench_latency_self.py --calib calib_sets/sample-set --requests 32 \\
         --max-output-tokens 64 --repeats 8 --seeds 5              # the default suite's workload
+    .venv/bin/python benchmarks/bench_latency_self.py --calib calib_sets/sample-set --half-cpus --seeds 3
+                                                      # the second server on half the CPUs: should fail
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-output-tokens", type=int, default=8)
+    ap.add_argument("--half-cpus", action="store_true", help="serve the second side on half the CPUs (Linux)")
     args = ap.parse_args()
 
     from quantpipe.eval.latency import KV_CACHE_MEMORY, compare, measure, workload
     from quantpipe.eval.stage import load_heldout
     from quantpipe.gate import DEFAULT_POLICY, judge, load_policy
     from quantpipe.runtime.model.tokenizer import load_tokenizer
-    from quantpipe.runtime.server.process import Served
+    from quantpipe.runtime.server.process import Served, split_cpus
 
     cfg = {"repeats": args.repeats, "requests": args.requests, "concurrency": args.concurrency,
            "max_output_tokens": args.max_output_tokens, "rate": None}
@@ -43,7 +46,10 @@ def main() -> None:
     tokenizer = load_tokenizer(None)
     extra = ["--kv-cache-memory", KV_CACHE_MEMORY]
     passed = 0
-    with Served(None, 2048, extra) as a, Served(args.candidate, 2048, extra) as b:
+    cpus = split_cpus(2)[0] if args.half_cpus else None
+    if args.half_cpus and cpus is None:
+        raise SystemExit("--half-cpus needs at least 2 CPUs")
+    with Served(None, 2048, extra) as a, Served(args.candidate, 2048, extra, cpus=cpus) as b:
         for seed in range(args.seeds):
             pick = np.random.default_rng(seed).choice(len(rows), min(args.requests, len(rows)), replace=False)
             reqs = workload([rows[i] for i in pick], tokenizer, args.requests, args.max_output_tokens, 2048)
@@ -58,7 +64,8 @@ def main() -> None:
             spread = section["ttft_p99_ratio"]
             print(f"seed {seed:2d} {time.perf_counter() - t:5.1f} s  {cells}  ttft_p99 per repeat "
                   f"{spread['min']:.3f}-{spread['max']:.3f}", flush=True)
-    print(f"passed {passed} of {args.seeds} ({'baseline against itself' if args.candidate is None else args.candidate}; "
+    against = "itself" if args.candidate is None else args.candidate
+    print(f"passed {passed} of {args.seeds} (baseline against {against}{' on half the CPUs' if cpus else ''}; "
           f"{args.requests} requests x {args.max_output_tokens} tokens at {args.concurrency} in flight, "
           f"{args.repeats} repeats)")
 
