@@ -1,6 +1,6 @@
 """The regression gate on eval results (scripts/ci-gate, `quantpipe gate --against`):
 the code on main passes it against the committed references, and a change that makes
-quantization worse (GPTQ's dampening forced to a harmful value) fails it."""
+quantization worse (GPTQ run with a harmful dampening) fails it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from quantpipe.quantize.stage import FORCE_DAMPENING_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +24,7 @@ def _pinned_cpu() -> dict:
 
 
 def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != FORCE_DAMPENING_ENV}
-    return dict(env, TOKENIZERS_PARALLELISM="false", **_pinned_cpu(), **extra)
+    return dict(os.environ, TOKENIZERS_PARALLELISM="false", **_pinned_cpu(), **extra)
 
 
 def _quantpipe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -57,12 +54,18 @@ def test_main_passes_the_regression_gate(ci_gate_run):
 
 def test_harmful_gptq_dampening_fails_the_gate(ci_gate_run, tmp_path):
     out, _ = ci_gate_run
-    # Same calibration set and commands as scripts/ci-gate, with the GPTQ candidate
-    # quantized under a dampening that swamps the Hessian (GPTQ degrades toward RTN).
+    # Same calibration set and settings as scripts/ci-gate, with the GPTQ candidate quantized
+    # under a dampening that swamps the Hessian (GPTQ degrades toward RTN), the kind of
+    # change a bad commit makes. The config refuses such a value, so it is set after
+    # validation, in a process of its own with the gate's pinned CPU paths.
     art = tmp_path / "ci-w4a16-gptq"
-    q = _quantpipe("quantize", "--scheme", "W4A16", "--method", "gptq", "--group-size", "64", "--calib",
-                   str(out / "calib"), "--calib-samples", "64", "--calib-seq-len", "256", "--out", str(art),
-                   env=_env(**{FORCE_DAMPENING_ENV: "1000"}))
+    harmful = ("import sys\n"
+               "from quantpipe.quantize import QuantConfig, quantize\n"
+               "cfg = QuantConfig(scheme='W4A16', method='gptq', group_size=64, calib_samples=64, calib_seq_len=256)\n"
+               "cfg.dampening = 1000.0\n"
+               "quantize(None, cfg, sys.argv[1], sys.argv[2])\n")
+    q = subprocess.run([sys.executable, "-c", harmful, str(out / "calib"), str(art)], cwd=ROOT, capture_output=True,
+                       text=True, env=_env(), timeout=1500)
     assert q.returncode == 0, q.stderr[-3000:]
     manifest = json.loads((art / "quantpipe.json").read_text())
     assert {layer["dampening"] for layer in manifest["layers"].values() if layer.get("dampening")} == {1000.0}

@@ -221,7 +221,7 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
                     shrink = awq.search_clip(mod.weight.float(), hs[local_name], scheme,
                                              GPTQ_CLIP_SHRINKS[scheme.num_bits])
                 try:
-                    q, scale, zero, used = gptq(mod.weight, hs[local_name], scheme, _dampening(cfg), cfg.block_size,
+                    q, scale, zero, used = gptq(mod.weight, hs[local_name], scheme, cfg.dampening, cfg.block_size,
                                                 cfg.act_order, scale_dtype, shrink)
                 except HessianError as e:
                     raise StageError(f"{name}: {e}") from None
@@ -238,17 +238,6 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
         qw = rtn(model.lm_head.weight, sch)
         out["lm_head"] = QuantWeight(qw[0], qw[1].to(scale_dtype).float(), qw[2], sch.num_bits, sch.group_size)
     return out, damp_used, awq_found
-
-
-# Test-only: overrides GPTQ's dampening past its validation, to stand in for a code
-# change that makes quantization worse; the regression gate's test shows CI catches it.
-# The manifest records the dampening actually used, so such an artifact says so.
-FORCE_DAMPENING_ENV = "QUANTPIPE_TEST_FORCE_GPTQ_DAMPENING"
-
-
-def _dampening(cfg: QuantConfig) -> float:
-    forced = os.environ.get(FORCE_DAMPENING_ENV)
-    return float(forced) if forced else cfg.dampening
 
 
 def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, overwrite: bool = False,
