@@ -32,6 +32,24 @@ from quantpipe.runtime.model.quantized import int8_kernel  # noqa: E402
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
 
 
+def pass_table(kinds: dict, weights: int, threads: int, rows_arg: str, inputs, skip=lambda name, rows: False) -> None:
+    """Print ms per pass (and GB/s of weights read) for each kind {name: (bytes per weight, fn)}
+    at each row count of `rows_arg`; `inputs(rows)` makes the activations fn takes."""
+    print(f"{weights / 1e6:.0f} M weights per pass, {threads} threads; ms per pass (GB/s of weights read)")
+    print("| rows | " + " | ".join(kinds) + " |")
+    print("| --- |" + " --- |" * len(kinds))
+    for rows in (int(r) for r in rows_arg.split(",")):
+        x = inputs(rows)
+        cells = []
+        for name, (bytes_per_weight, fn) in kinds.items():
+            if skip(name, rows):
+                cells.append("-")
+                continue
+            ms = median_us(lambda: fn(x), repeats=11) / 1e3
+            cells.append(f"{ms:.2f} ({weights * bytes_per_weight / ms / 1e6:.1f})")
+        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -57,17 +75,8 @@ def main() -> None:
         "int4pack g64": (0.5 + 4 / 64, lambda x: [torch._weight_int4pack_mm_for_cpu(x[k], w, 64, s)
                                                   for (w, s), (_, k) in zip(i4, SHAPES)]),
     }
-    print(f"{weights / 1e6:.0f} M weights per pass, {args.threads} threads; ms per pass (GB/s of weights read)")
-    print("| rows | " + " | ".join(kinds) + " |")
-    print("| --- |" + " --- |" * len(kinds))
-    for rows in (int(r) for r in args.rows.split(",")):
-        x = {k: torch.randn(rows, k, generator=g).bfloat16() for k in (576, 1536)}
-        cells = []
-        for bytes_per_weight, fn in kinds.values():
-            ms = median_us(lambda: fn(x), repeats=11) / 1e3
-            cells.append(f"{ms:.2f} ({weights * bytes_per_weight / ms / 1e6:.1f})")
-        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
-
+    pass_table(kinds, weights, args.threads, args.rows,
+               lambda rows: {k: torch.randn(rows, k, generator=g).bfloat16() for k in (576, 1536)})
 
 if __name__ == "__main__":
     main()

@@ -26,8 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import quantpipe  # noqa: E402,F401  (binds the runtime's import names)
-from benchmarks.bench_int8_decode import SHAPES  # noqa: E402  (the same 30 layers' weights)
-from benchmarks.bench_int_kernels import median_us  # noqa: E402
+from benchmarks.bench_int8_decode import SHAPES, pass_table  # noqa: E402  (the same 30 layers' weights)
 from quantpipe.runtime.model.blocked_linear import BLOCK_ROWS, RowBlockedLinear  # noqa: E402
 from quantpipe.runtime.model.cpu_attention import extension  # noqa: E402
 
@@ -64,20 +63,9 @@ def main() -> None:
         "int8 tiles path": (1.0, int8(0, big)),
         "int8 prefill path": (1.0, int8(0, 0)),
     }
-    print(f"{weights / 1e6:.0f} M weights per pass, {args.threads} threads; ms per pass (GB/s of weights read)")
-    print("| rows | " + " | ".join(kinds) + " |")
-    print("| --- |" + " --- |" * len(kinds))
-    for rows in (int(r) for r in args.rows.split(",")):
-        x = {k: torch.randn(rows, k, generator=g) for k in (576, 1536)}
-        cells = []
-        for name, (bytes_per_weight, fn) in kinds.items():
-            if name == "int8 decode path" and rows > 32:
-                cells.append("-")
-                continue
-            ms = median_us(lambda: fn(x), repeats=11) / 1e3
-            cells.append(f"{ms:.2f} ({weights * bytes_per_weight / ms / 1e6:.1f})")
-        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
-
+    pass_table(kinds, weights, args.threads, args.rows,
+               lambda rows: {k: torch.randn(rows, k, generator=g) for k in (576, 1536)},
+               skip=lambda name, rows: name == "int8 decode path" and rows > 32)
 
 if __name__ == "__main__":
     main()

@@ -76,7 +76,8 @@ def main() -> None:
     print("| --- | --- |" + " --- | --- |" * len(cols))
     for n in names:
         med = {k: statistics.median(results[n][k]) for k in cols}
-        print(f"| {os.path.basename(path_of(n) or n)}{n[len(path_of(n) or n):]} | {', '.join(kinds[n]) or '-'} | "
+        label = n if path_of(n) is None else os.path.basename(path_of(n)) + n[len(path_of(n)):]
+        print(f"| {label} | {', '.join(kinds[n]) or '-'} | "
               + " | ".join(f"{med[c]:.3g} | {med[c] / base[c]:.2f}x" for c in cols) + " |")
 
 

@@ -186,6 +186,9 @@ class PackedLinear(nn.Module):
                              else zero.reshape(self.out_features, groups).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.ext = packed_kernel()
+        if self.ext is None:  # only a forced kernel gets here (kernel_for asks first)
+            raise ValueError("kernel packed-f32: quantpipe's CPU module is not built here or "
+                             "QUANTPIPE_CPU_PACKED=0")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -224,10 +227,12 @@ class W8A8Linear(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, shape[-1]).float()
         xq, xs = quantize_per_token(xf)
-        if self.ext is not None and xq.is_cpu:
+        if self.ext is not None and not xq.is_cpu:  # moved off the CPU: the GEMM path, converted once
+            self.ext, self.weight_q = None, self.weight_q.to(self.gemm_dtype)
+        if self.ext is not None:
             y = self.ext.packed_linear_f32(xq, self.weight_q, 8) * xs * self.weight_scale
         else:
-            y = F.linear(xq.to(self.gemm_dtype), self.weight_q.to(self.gemm_dtype)).float() * xs * self.weight_scale
+            y = F.linear(xq.to(self.gemm_dtype), self.weight_q).float() * xs * self.weight_scale
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

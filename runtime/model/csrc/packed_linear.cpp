@@ -180,26 +180,27 @@ void small_tile(const float* x, int64_t m, int64_t k, const Packed& w, int64_t n
   }
 }
 
+// A float32 tile of at least `count` values, one per thread, kept between calls (the
+// decode path's 4 weight rows, the tiles path's L2_TILE_BYTES).
+float* tile_buffer(int64_t count) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(static_cast<size_t>(count));
+  return buffer.data();
+}
+
 void decode_path(const float* x, int64_t m, int64_t k, const Packed& w, int64_t n, float* y) {
   const int64_t tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(static_cast<size_t>(TILE_ROWS * k));
+    float* tile = tile_buffer(TILE_ROWS * k);
     const char* last = reinterpret_cast<const char*>(w.data + n * w.row_bytes);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * TILE_ROWS;
       // The weight bytes of a later tile: TILE_ROWS contiguous rows.
       const char* ahead = reinterpret_cast<const char*>(w.data + (n0 + TILE_ROWS * PREFETCH_TILES) * w.row_bytes);
       for (int64_t b = 0; b < TILE_ROWS * w.row_bytes && ahead + b < last; b += 64) __builtin_prefetch(ahead + b);
-      small_tile(x, m, k, w, n0, std::min<int64_t>(TILE_ROWS, n - n0), n, tile.data(), y);
+      small_tile(x, m, k, w, n0, std::min<int64_t>(TILE_ROWS, n - n0), n, tile, y);
     }
   });
-}
-
-// The tiles path's float32 tile, one per thread (L2_TILE_BYTES), kept between calls.
-float* tile_buffer(int64_t count) {
-  thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(static_cast<size_t>(count));
-  return buffer.data();
 }
 
 // Middle path: tiles of output channels that fit L2_TILE_BYTES, the same count for every
