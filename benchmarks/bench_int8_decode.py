@@ -58,8 +58,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ext = int8_kernel()
     if ext is None:
-        sys.exit("quantpipe's int8 kernel is off or not built here "
-                 "(QUANTPIPE_CPU_INT8=torch, no C++ compiler, or no AVX-512)")
+        sys.exit("quantpipe's int8 kernel is not built here "
+                 "(no C++ compiler, or no AVX-512)")
     g = torch.Generator().manual_seed(0)
     bf16 = [PrepackedLinear(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)) for n, k in SHAPES]
     i8 = [(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),

@@ -10,15 +10,14 @@ on CPUs with native bf16), the runs alternate model by model for `--repeats` rou
 - then, through the server (`quantpipe serve`, one per model, all started first, driven
   one at a time in alternating order): output tokens/s of the same chat-cpu requests at
   16 concurrent, streamed, with TTFT P50 and P99 and TPOT P50 (`--no-server` skips it).
-`--also-with VAR=VALUE` runs each artifact a second time, loaded with that environment
-variable set (e.g. `QUANTPIPE_CPU_PACKED=0`: a kernel off), in the same rounds: before and
-after in one run. Prints medians and ratios to the baseline.
+`--also-without KERNELS` runs each artifact a second time with those CPU kernels of the
+runtime turned off (engine argument `disable_cpu_kernels`, e.g. `packed`), in the same
+rounds: before and after in one run. Prints medians and ratios to the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -38,15 +37,16 @@ def main() -> None:
     ap.add_argument("--length-scale", type=float, default=0.5)
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--no-server", action="store_true")
-    ap.add_argument("--also-with", metavar="VAR=VALUE", help="also run each artifact with this variable set")
+    ap.add_argument("--also-without", metavar="KERNELS",
+                    help="also run each artifact with these CPU kernels turned off (comma-separated)")
     args = ap.parse_args()
     names = ["baseline"] + args.artifacts
-    if args.also_with:
-        names += [f"{a} [{args.also_with}]" for a in args.artifacts]
+    if args.also_without:
+        names += [f"{a} [without {args.also_without}]" for a in args.artifacts]
     llms = {}
     for n in names:
-        with loaded_as(n):
-            llms[n] = LLM(model=path_of(n), dtype="auto", max_num_seqs=16, max_model_len=2048, seed=0)
+        llms[n] = LLM(model=path_of(n), dtype="auto", max_num_seqs=16, max_model_len=2048, seed=0,
+                      disable_cpu_kernels=kernels_off(n))
     tok = llms["baseline"].get_tokenizer()
     spec = preset("chat-cpu", num_requests=args.num_requests, length_scale=args.length_scale)
     reqs = materialize(spec, tok)
@@ -85,22 +85,9 @@ def path_of(name: str) -> str | None:
     return None if name == "baseline" else name.split(" [")[0]
 
 
-@contextlib.contextmanager
-def loaded_as(name: str):
-    """The environment a model named "PATH [VAR=VALUE]" is loaded (or its server started) with."""
-    if " [" not in name:
-        yield
-        return
-    var, _, value = name.split(" [")[1].rstrip("]").partition("=")
-    old = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[var]
-        else:
-            os.environ[var] = old
+def kernels_off(name: str) -> str:
+    """The CPU kernels a model named "PATH [without NAMES]" runs without ("" for the others)."""
+    return name.split(" [without ")[1].rstrip("]") if " [without " in name else ""
 
 
 def served(names: list[str], reqs, results: dict, repeats: int) -> None:
@@ -114,9 +101,10 @@ def served(names: list[str], reqs, results: dict, repeats: int) -> None:
     with contextlib.ExitStack() as stack:
         urls = {}
         for n in names:
-            with loaded_as(n):
-                urls[n] = stack.enter_context(Served(path_of(n), 2048, ["--kv-cache-memory", KV_CACHE_MEMORY,
-                                                                        "--max-num-seqs", "16"])).url
+            flags = ["--kv-cache-memory", KV_CACHE_MEMORY, "--max-num-seqs", "16"]
+            if kernels_off(n):
+                flags += ["--disable-cpu-kernels", kernels_off(n)]
+            urls[n] = stack.enter_context(Served(path_of(n), 2048, flags)).url
         for r in range(repeats):
             for n in (names if r % 2 == 0 else list(reversed(names))):
                 run = asyncio.run(_drive(urls[n], reqs, concurrency=16))

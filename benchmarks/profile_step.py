@@ -98,9 +98,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--ops", type=int, default=22, help="rows of the per-op table")
     ap.add_argument("--prefill", action="store_true", help="profile prefill-only steps instead")
+    ap.add_argument("--disable-cpu-kernels", default="", metavar="NAMES",
+                    help="the runtime's CPU kernels to turn off (runtime/model/cpu_kernels.py)")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.running)
+    llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.running, disable_cpu_kernels=args.disable_cpu_kernels)
     if args.prefill:
         return prefill(llm, args.ops)
     eng = fill(llm, args.running, decode_only=True)

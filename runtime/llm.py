@@ -23,12 +23,14 @@ class LLM:
         seed: int = 0,
         device: str = "auto",
         max_model_len: int | None = None,
+        disable_cpu_kernels: Sequence[str] | str = (),
     ):
         self.engine = LLMEngine(
             EngineArgs(
                 model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                 kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching, seed=seed,
+                disable_cpu_kernels=disable_cpu_kernels,
             )
         )
 

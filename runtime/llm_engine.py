@@ -13,6 +13,7 @@ import torch
 from quantpipe.runtime.engine.block_pool import BlockPool
 from quantpipe.runtime.engine.request import Request
 from quantpipe.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from quantpipe.runtime.model.cpu_kernels import CpuKernels
 from quantpipe.runtime.model.kv_cache import check_kv_cache_dtype
 from quantpipe.runtime.model.loader import load_model
 from quantpipe.runtime.model.runner import ModelRunner
@@ -39,6 +40,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     seed: int = 0
+    # the runtime's own CPU kernels to turn off (names in runtime/model/cpu_kernels.py, or a
+    # comma-separated string): their layers take torch's path, for measuring and working round
+    disable_cpu_kernels: tuple[str, ...] | str = ()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -89,7 +93,9 @@ class LLMEngine:
         if args.block_size < 1 or args.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {args.block_size}")
         check_kv_cache_dtype(args.kv_cache_dtype)
-        model, self.model_config, self.tokenizer = load_model(args.model, self.dtype, self.device)
+        self.cpu_kernels = CpuKernels.parse(args.disable_cpu_kernels)
+        model, self.model_config, self.tokenizer = load_model(args.model, self.dtype, self.device,
+                                                              cpu_kernels=self.cpu_kernels)
         model.to(self.device)
         if args.kv_cache_dtype != "auto":  # asked for explicitly: dynamic scales, whatever the artifact says
             model.kv_cache_dtype = args.kv_cache_dtype
@@ -115,7 +121,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.pool
         )
-        self.runner = ModelRunner(model, num_blocks, args.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(model, num_blocks, args.block_size, self.device, self.dtype, self.cpu_kernels)
         self.generator = torch.Generator().manual_seed(args.seed)
         self.tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()

@@ -8,12 +8,10 @@ weight. A decode step with 16 requests running took 17% less time (252 ms agains
 With many rows (prefill) the single GEMM is faster again, so blocks are used only up to
 `MAX_ROWS`. Each block is a view of the weight: no copy, and tied weights stay tied.
 Only float32 is blocked. bf16 GEMMs go through oneDNN, where this was not measured.
-`QUANTPIPE_CPU_BLOCKED_GEMM=0` turns it off.
+The `blocked-gemm` CPU kernel switch (cpu_kernels.py) turns it off.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +39,7 @@ class RowBlockedLinear(nn.Module):
 
 def block_wide_linears(model: nn.Module, device: torch.device) -> list[str]:
     """Swap float32 nn.Linear layers wider than BLOCK_ROWS for RowBlockedLinear on CPU; returns their names."""
-    if device.type != "cpu" or os.environ.get("QUANTPIPE_CPU_BLOCKED_GEMM", "1") == "0":
+    if device.type != "cpu":
         return []
     names = [name for name, m in model.named_modules()
              if type(m) is nn.Linear and m.out_features > BLOCK_ROWS and m.weight.dtype == torch.float32]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import platform
 from pathlib import Path
 
@@ -34,14 +33,6 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def kernel():
-    """The compiled module for decode attention, or None when it cannot be built here (or
-    QUANTPIPE_CPU_ATTENTION=torch)."""
-    if os.environ.get("QUANTPIPE_CPU_ATTENTION", "kernel") == "torch":
-        return None
-    return extension()
 
 
 @functools.cache

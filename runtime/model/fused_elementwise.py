@@ -6,12 +6,10 @@ goes"). The fused versions round to bf16 where the composition in llama.py does,
 differ from it only where a float32 sum in another order lands on the other side of a bf16
 rounding boundary (tests/model/test_fused_elementwise.py). float32 models keep the torch
 composition, which the parity tests hold equal to the reference's. The module is the CPU
-paged decode kernel's (one build); `QUANTPIPE_CPU_FUSED=0` turns the swap off.
+paged decode kernel's (one build); the `fused-elementwise` CPU kernel switch (cpu_kernels.py) turns the swap off.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -38,7 +36,7 @@ class FusedMLP(MLP):
 
 def fuse_elementwise(model: LlamaForCausalLM, device: torch.device) -> int:
     """Swap a bf16 CPU model's RMSNorm and MLP modules for the fused ones; returns how many."""
-    if device.type != "cpu" or os.environ.get("QUANTPIPE_CPU_FUSED", "1") == "0" \
+    if device.type != "cpu" \
             or model.embed_tokens.weight.dtype != torch.bfloat16:
         return 0
     from quantpipe.runtime.model.cpu_attention import extension

@@ -13,6 +13,7 @@ import torch
 
 from quantpipe.runtime.model import compressed
 from quantpipe.runtime.model.config import ModelConfig
+from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
 from quantpipe.runtime.model.llama import LlamaForCausalLM, rope_inv_freq
 from quantpipe.runtime.model.quantized import QuantWeight, swap_linears
 
@@ -96,7 +97,8 @@ def _quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConf
 
 
 def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
-            quant_kernel: str | None = None, kernel_plan=None) -> tuple[LlamaForCausalLM, ModelConfig]:
+            quant_kernel: str | None = None, kernel_plan=None,
+            cpu_kernels: CpuKernels = ALL_ON) -> tuple[LlamaForCausalLM, ModelConfig]:
     from safetensors.torch import load_file
 
     raw = json.load(open(os.path.join(path, "config.json")))
@@ -125,7 +127,7 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
 
             name = torch.cuda.get_device_name(device)
             plan = load_plan(path, name, torch.cuda.get_device_capability(device))
-        swap_linears(model, quant, dtype, device, force_kernel=quant_kernel, plan=plan)
+        swap_linears(model, quant, dtype, device, force_kernel=quant_kernel, plan=plan, cpu_kernels=cpu_kernels)
     return model, cfg
 
 
@@ -230,18 +232,19 @@ def load_gguf(path: str, dtype: torch.dtype):
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | None = None,
-               quant_kernel: str | None = None, kernel_plan=None):
+               quant_kernel: str | None = None, kernel_plan=None, cpu_kernels: CpuKernels = ALL_ON):
     """(model, config, tokenizer or None) from a GGUF file, an HF folder or a quantized artifact.
 
     `device` picks the kernels of quantized layers (they differ between CPU and CUDA);
     `quant_kernel` ("dequant", ...) overrides that choice, for checks and debugging. On CUDA
     the Triton kernels run by the artifact's kernels.json; `kernel_plan` (a loaded KernelPlan)
     imposes one instead, on any device (on CPU only in Triton's interpreter: for checks).
+    `cpu_kernels` names the runtime's CPU kernels turned off (quantized layers take torch's path).
     """
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
         return load_gguf(path, dtype)
-    module, cfg = load_hf(path, dtype, device, quant_kernel, kernel_plan)
+    module, cfg = load_hf(path, dtype, device, quant_kernel, kernel_plan, cpu_kernels)
     tokenizer = None
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         from quantpipe.runtime.model.tokenizer import tokenizer_from_hf

@@ -11,12 +11,10 @@ The packed tensor replaces the weight (no second copy), except for a `lm_head` t
 embeddings, whose packed copy comes on top of the embedding table it shares. `weight`
 still reads back as the plain tensor, and the state dict holds it, for the code that
 exports or inspects the model. Only CPUs with AVX-512 BF16 are packed: elsewhere bf16 is
-emulated and `dtype="auto"` serves float32. `QUANTPIPE_CPU_PREPACK=0` turns it off.
+emulated and `dtype="auto"` serves float32. The `prepack` CPU kernel switch (cpu_kernels.py) turns it off.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
@@ -56,7 +54,7 @@ def _cpu_has_avx512_bf16() -> bool:
 
 def prepack_linears(model: nn.Module, device: torch.device) -> list[str]:
     """Swap bf16 nn.Linear layers for PrepackedLinear on AVX-512 BF16 CPUs; returns their names."""
-    if device.type != "cpu" or os.environ.get("QUANTPIPE_CPU_PREPACK", "1") == "0" \
+    if device.type != "cpu" \
             or not torch.backends.mkldnn.is_available() or not _cpu_has_avx512_bf16():
         return []
     names = [name for name, m in model.named_modules()

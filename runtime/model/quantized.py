@@ -30,12 +30,13 @@ torch's CPU int kernels are fast only with bf16 activations: with float32 ones t
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
 
 log = logging.getLogger("quantpipe.runtime")
 
@@ -49,10 +50,10 @@ INT4_GROUPS = (32, 64, 128, 256)
 INT8PACK_MAX_ROWS = 16
 
 
-def int8_kernel():
-    """The compiled CPU int8 kernel module, or None (no compiler, no AVX-512, or
-    QUANTPIPE_CPU_INT8=torch: then torch's _weight_int8pack_mm takes its rows)."""
-    if os.environ.get("QUANTPIPE_CPU_INT8", "kernel") == "torch":
+def int8_kernel(kernels: CpuKernels = ALL_ON):
+    """The compiled CPU int8 kernel module, or None (no compiler, no AVX-512, or the `int8`
+    CPU kernel turned off: then torch's _weight_int8pack_mm takes its rows)."""
+    if not kernels.enabled("int8"):
         return None
     from quantpipe.runtime.model.cpu_attention import extension
 
@@ -60,10 +61,10 @@ def int8_kernel():
     return ext if ext is not None and ext.int8_linear_vectorized() else None
 
 
-def packed_kernel():
+def packed_kernel(kernels: CpuKernels = ALL_ON):
     """The compiled CPU module whose packed_linear_f32 serves float32 models, or None (no
-    compiler, or QUANTPIPE_CPU_PACKED=0: then float32 models take `dequant`)."""
-    if os.environ.get("QUANTPIPE_CPU_PACKED", "1") == "0":
+    compiler, or the `packed` CPU kernel turned off: then float32 models take `dequant`)."""
+    if not kernels.enabled("packed"):
         return None
     from quantpipe.runtime.model.cpu_attention import extension
 
@@ -114,7 +115,8 @@ class QuantWeight:
 class Int8PackLinear(nn.Module):
     kernel = "int8pack"
 
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernels: CpuKernels = ALL_ON):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
         self.register_buffer("weight_int8", qw.q.contiguous())
@@ -122,7 +124,7 @@ class Int8PackLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         # torch's int8 kernel streamed the weights at 2/3 of the rate the bf16 and int4 ones
         # reached (no prefetching); ours reads them ahead. bf16 activations on CPU only.
-        self.ext = int8_kernel() if dtype == torch.bfloat16 else None
+        self.ext = int8_kernel(kernels) if dtype == torch.bfloat16 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -141,7 +143,8 @@ class Int8PackLinear(nn.Module):
 class Int4PackLinear(nn.Module):
     kernel = "int4pack"
 
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernels: CpuKernels = ALL_ON):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
         self.group_size = qw.group_size
@@ -170,7 +173,8 @@ class PackedLinear(nn.Module):
 
     kernel = "packed-f32"
 
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernels: CpuKernels = ALL_ON):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
         self.bits = qw.num_bits
@@ -185,10 +189,10 @@ class PackedLinear(nn.Module):
         self.register_buffer("zeros", None if qw.zero is None and self.bits == 8
                              else zero.reshape(self.out_features, groups).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-        self.ext = packed_kernel()
+        self.ext = packed_kernel(kernels)
         if self.ext is None:  # only a forced kernel gets here (kernel_for asks first)
-            raise ValueError("kernel packed-f32: quantpipe's CPU module is not built here or "
-                             "QUANTPIPE_CPU_PACKED=0")
+            raise ValueError("kernel packed-f32: quantpipe's CPU module is not built here, or the "
+                             "`packed` CPU kernel is turned off")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -212,12 +216,13 @@ class W8A8Linear(nn.Module):
 
     kernel = "w8a8"
 
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernels: CpuKernels = ALL_ON):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
         self.gemm_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         # float32 on CPU: the integer weights stay int8 and the packed kernel widens them.
-        self.ext = packed_kernel() if self.gemm_dtype == torch.float32 and self.in_features % 32 == 0 else None
+        self.ext = packed_kernel(kernels) if self.gemm_dtype == torch.float32 and self.in_features % 32 == 0 else None
         weight_q = qw.q.contiguous() if self.ext is not None else qw.q.to(self.gemm_dtype).contiguous()
         self.register_buffer("weight_q", weight_q)  # integer values, exact
         self.register_buffer("weight_scale", qw.scale.reshape(-1).float().contiguous())
@@ -253,7 +258,8 @@ class DequantLinear(nn.Linear):
 
     kernel = "dequant"
 
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernels: CpuKernels = ALL_ON):
         n, k = qw.q.shape
         super().__init__(k, n, bias=bias is not None, device="meta")
         self.weight = nn.Parameter(qw.dequantize(dtype), requires_grad=False)
@@ -261,7 +267,8 @@ class DequantLinear(nn.Linear):
             self.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
 
 
-def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype) -> type[nn.Module]:
+def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,
+               kernels: CpuKernels = ALL_ON) -> type[nn.Module]:
     """The module for this weight format on this device: a fast kernel, or the fallback."""
     n, k = qw.q.shape
     if qw.act_bits is not None:
@@ -269,7 +276,7 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype) -> typ
     if device.type != "cpu":
         return DequantLinear  # CUDA: the Triton kernels of quantpipe.kernels, once built
     if dtype == torch.float32:
-        if qw.num_bits in (4, 8) and k % 32 == 0 and packed_kernel() is not None:
+        if qw.num_bits in (4, 8) and k % 32 == 0 and packed_kernel(kernels) is not None:
             return PackedLinear
         return DequantLinear
     if dtype != torch.bfloat16:
@@ -293,11 +300,12 @@ def _triton_module(qw: QuantWeight, plan, missing: dict[str, str]):
     from quantpipe.kernels.linear import TritonMixedLinear, TritonW8A8Linear
 
     cls = TritonMixedLinear if kernel == "mixed_gemm" else TritonW8A8Linear
-    return lambda q, bias, dtype: cls(q, bias, dtype, configs)
+    return lambda q, bias, dtype, kernels=ALL_ON: cls(q, bias, dtype, configs)
 
 
 def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch.dtype,
-                 device: torch.device, force_kernel: str | None = None, plan=None) -> dict[str, str]:
+                 device: torch.device, force_kernel: str | None = None, plan=None,
+                 cpu_kernels: CpuKernels = ALL_ON) -> dict[str, str]:
     """Replace model.<name> (an nn.Linear) by a quantized module for each entry; returns name -> kernel.
 
     `plan` (a quantpipe.kernels KernelPlan, CUDA only) runs its cases through the Triton kernels;
@@ -316,12 +324,12 @@ def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch
         if tuple(qw.q.shape) != (old.out_features, old.in_features):
             raise ValueError(f"{name}: quantized weight has shape {tuple(qw.q.shape)}, "
                              f"the layer is {(old.out_features, old.in_features)}")
-        cls = kinds[force_kernel] if force_kernel and qw.act_bits is None else kernel_for(qw, device, dtype)
+        cls = kinds[force_kernel] if force_kernel and qw.act_bits is None else kernel_for(qw, device, dtype, cpu_kernels)
         make = cls
         if plan is not None and not force_kernel:
             make = _triton_module(qw, plan, missing) or cls
         bias = None if old.bias is None or old.bias.is_meta else old.bias.detach()
-        module = make(qw, bias, dtype).to(device)
+        module = make(qw, bias, dtype, kernels=cpu_kernels).to(device)
         setattr(parent, attr, module)
         chosen[name] = module.kernel
     for key, reason in missing.items():

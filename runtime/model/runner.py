@@ -13,6 +13,7 @@ import torch
 from quantpipe.runtime.engine.scheduler import ScheduledChunk
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from quantpipe.runtime.model.blocked_linear import block_wide_linears
+from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
 from quantpipe.runtime.model.fused_elementwise import fuse_elementwise
 from quantpipe.runtime.model.kv_cache import bytes_per_token, layer_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
@@ -22,21 +23,24 @@ log = logging.getLogger("quantpipe.runtime")
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype,
+                 cpu_kernels: CpuKernels = ALL_ON):
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.kv_caches = [layer_cache(model, i, num_blocks * block_size, device) for i in range(cfg.num_layers)]
         self.decode_kernel = _cuda_decode_kernel(model, block_size) if device.type == "cuda" else \
-            _cpu_decode_kernel(model)
-        blocked = block_wide_linears(model, device)
+            _cpu_decode_kernel(model) if cpu_kernels.enabled("attention") else None
+        blocked = block_wide_linears(model, device) if cpu_kernels.enabled("blocked-gemm") else []
         if blocked:
             log.info("float32 GEMMs in row blocks at few rows: %d wide Linear layers", len(blocked))
-        packed = prepack_linears(model, device)
+        packed = prepack_linears(model, device) if cpu_kernels.enabled("prepack") else []
         if packed:
             log.info("bf16 weights prepacked for oneDNN: %d Linear layers", len(packed))
-        fused = fuse_elementwise(model, device)
+        fused = fuse_elementwise(model, device) if cpu_kernels.enabled("fused-elementwise") else 0
+        if cpu_kernels.disabled:
+            log.info("CPU kernels turned off: %s", ", ".join(sorted(cpu_kernels.disabled)))
         if fused:
             log.info("bf16 RMSNorm and SiLU-mul fused: %d modules", fused)
 
@@ -136,9 +140,9 @@ def _cpu_decode_kernel(model: LlamaForCausalLM):
     """The CPU paged decode kernel for a cache in the model dtype, or None (8-bit caches, no compiler)."""
     if model.kv_cache_dtype != "auto" or model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    from quantpipe.runtime.model.cpu_attention import kernel
+    from quantpipe.runtime.model.cpu_attention import extension
 
-    ext = kernel()
+    ext = extension()
     if ext is None:
         return None
 

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from quantpipe.runtime.model.cpu_kernels import help_text as cpu_kernels_help
 from quantpipe.runtime.utils import run_click
 
 
@@ -35,6 +36,9 @@ def serve_options(f):
                                              "model dtype"),
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--disable-cpu-kernels", default="", metavar="NAMES", callback=_check_cpu_kernels,
+                     help="comma-separated CPU kernels of the runtime to turn off (their layers take torch's "
+                          "path): " + cpu_kernels_help()),
         # server
         click.option("--api-key", multiple=True, help="accepted Bearer key (repeatable)"),
         click.option("--api-key-file", default=None, help="file with one accepted key per line"),
@@ -60,6 +64,16 @@ def serve_options(f):
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def _check_cpu_kernels(ctx, param, value: str) -> str:
+    from quantpipe.runtime.model.cpu_kernels import CpuKernels
+
+    try:
+        CpuKernels.parse(value, key="--disable-cpu-kernels")
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix("--disable-cpu-kernels: ")) from None
+    return value
 
 
 def _kv_memory(value: str | None):
@@ -115,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_memory=_kv_memory(args.kv_cache_memory),
             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+            disable_cpu_kernels=args.disable_cpu_kernels,
         ))
     except (ValueError, OSError) as e:
         print(f"quantpipe serve: {e}", file=sys.stderr)

@@ -20,7 +20,7 @@ def test_output_equals_linear_at_few_and_many_rows():
             torch.testing.assert_close(blocked(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
-def test_swap_keeps_parameters_and_skips_narrow_and_other_dtypes(monkeypatch):
+def test_swap_keeps_parameters_and_skips_narrow_and_other_dtypes():
     class Toy(nn.Module):
         def __init__(self):
             super().__init__()
@@ -38,8 +38,6 @@ def test_swap_keeps_parameters_and_skips_narrow_and_other_dtypes(monkeypatch):
 
     assert block_wide_linears(Toy().to(torch.bfloat16), torch.device("cpu")) == []
     assert block_wide_linears(Toy(), torch.device("meta")) == []
-    monkeypatch.setenv("QUANTPIPE_CPU_BLOCKED_GEMM", "0")
-    assert block_wide_linears(Toy(), torch.device("cpu")) == []
 
 
 def test_engine_on_cpu_float32_blocks_lm_head_and_gate_up():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, paged_attention
-from quantpipe.runtime.model.cpu_attention import kernel
+from quantpipe.runtime.model.cpu_attention import extension
 from quantpipe.runtime.model.kv_cache import KVCache
 
 BS = 16
@@ -14,7 +14,7 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def ext():
-    ext = kernel()
+    ext = extension()
     if ext is None:
         pytest.fail("the CPU paged decode kernel did not build (scripts/setup builds it; see its warning)")
     return ext

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from quantpipe.runtime.model.cpu_attention import extension
-from quantpipe.runtime.model.fused_elementwise import FusedMLP, FusedRMSNorm, fuse_elementwise
+from quantpipe.runtime.model.fused_elementwise import FusedMLP, FusedRMSNorm
 from quantpipe.runtime.model.llama import MLP, RMSNorm
 
 ext = extension()
@@ -61,7 +61,7 @@ def test_bad_tensors_are_refused_by_name():
 
 
 @needs_ext
-def test_the_engine_fuses_bf16_models_only_and_stays_close(monkeypatch):
+def test_the_engine_fuses_bf16_models_only_and_stays_close():
     from quantpipe.runtime import LLM
 
     llm = LLM(dtype="bfloat16", device="cpu", max_num_seqs=4, kv_cache_memory="64MiB")
@@ -79,11 +79,11 @@ def test_the_engine_fuses_bf16_models_only_and_stays_close(monkeypatch):
         plain = _hidden(model, ids)
     rel = ((fused.float() - plain.float()).norm() / plain.float().norm()).item()
     assert rel < 0.02, rel  # bf16 noise, not a different function
-    monkeypatch.setenv("QUANTPIPE_CPU_FUSED", "0")
-    assert fuse_elementwise(model, torch.device("cpu")) == 0
-    monkeypatch.setenv("QUANTPIPE_CPU_FUSED", "1")
     llm32 = LLM(dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory="64MiB")
     assert not any(type(m) in (FusedMLP, FusedRMSNorm) for m in llm32.engine.runner.model.modules())
+    off = LLM(dtype="bfloat16", device="cpu", max_num_seqs=4, kv_cache_memory="64MiB",
+              disable_cpu_kernels="fused-elementwise")
+    assert not any(type(m) in (FusedMLP, FusedRMSNorm) for m in off.engine.runner.model.modules())
 
 
 def _hidden(model, ids: torch.Tensor) -> torch.Tensor:

@@ -29,15 +29,14 @@ def test_outputs_equal_f_linear_at_every_row_count(bias):
 
 
 @needs_bf16_cpu
-def test_the_engine_packs_bf16_layers_and_generates_as_before(monkeypatch):
+def test_the_engine_packs_bf16_layers_and_generates_as_before():
     from quantpipe.runtime import LLM, SamplingParams
     from quantpipe.runtime.model.export import hf_state_dict
 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "A list in Python"]
-    monkeypatch.setenv("QUANTPIPE_CPU_PREPACK", "0")
-    plain = LLM(dtype="bfloat16", device="cpu", max_num_seqs=4, kv_cache_memory="64MiB")
-    monkeypatch.setenv("QUANTPIPE_CPU_PREPACK", "1")
+    plain = LLM(dtype="bfloat16", device="cpu", max_num_seqs=4, kv_cache_memory="64MiB",
+                disable_cpu_kernels="prepack")
     packed = LLM(dtype="bfloat16", device="cpu", max_num_seqs=4, kv_cache_memory="64MiB")
     model = packed.engine.runner.model
     assert isinstance(model.lm_head, PrepackedLinear)
@@ -52,12 +51,9 @@ def test_the_engine_packs_bf16_layers_and_generates_as_before(monkeypatch):
     assert all(torch.equal(exported[k], reference[k]) for k in reference)
 
 
-def test_nothing_is_packed_off_cpu_or_when_turned_off(monkeypatch):
+def test_nothing_is_packed_off_cpu_or_in_float32():
     toy = nn.Sequential(nn.Linear(8, 8).bfloat16())
     assert prepack_linears(toy, torch.device("meta")) == []
-    monkeypatch.setenv("QUANTPIPE_CPU_PREPACK", "0")
-    assert prepack_linears(toy, torch.device("cpu")) == []
     assert type(toy[0]) is nn.Linear
     toy32 = nn.Sequential(nn.Linear(8, 8))
-    monkeypatch.setenv("QUANTPIPE_CPU_PREPACK", "1")
     assert prepack_linears(toy32, torch.device("cpu")) == []  # float32 layers are left alone

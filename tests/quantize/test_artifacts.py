@@ -270,9 +270,10 @@ def test_generic_calibration_files_plain_jsonl_and_gzip(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama-tied", "qwen2-bias"])
-def test_cpu_int8_kernel_serves_the_same_bf16_model_as_torchs(tmp_path, monkeypatch, arch):
+def test_cpu_int8_kernel_serves_the_same_bf16_model_as_torchs(tmp_path, arch):
     """W8A16 in bf16: quantpipe's CPU int8 kernel and torch's _weight_int8pack_mm compute one
     function (both sum in float32 and round once), so the logits agree to bf16 noise."""
+    from quantpipe.runtime.model.cpu_kernels import CpuKernels
     from quantpipe.runtime.model.quantized import Int8PackLinear, int8_kernel
 
     if int8_kernel() is None:
@@ -282,8 +283,8 @@ def test_cpu_int8_kernel_serves_the_same_bf16_model_as_torchs(tmp_path, monkeypa
     quantize(src, QuantConfig(scheme="W8A16", dtype="float32"), None, out)
     logits = {}
     for kind in ("torch", "kernel"):
-        monkeypatch.setenv("QUANTPIPE_CPU_INT8", kind)
-        model, _, _ = load_model(out, torch.bfloat16)
+        off = CpuKernels.parse("int8" if kind == "torch" else "")
+        model, _, _ = load_model(out, torch.bfloat16, cpu_kernels=off)
         linears = [m for m in model.modules() if isinstance(m, Int8PackLinear)]
         assert linears and all((m.ext is None) == (kind == "torch") for m in linears)
         logits[kind] = sequence_logits(model, IDS).float()

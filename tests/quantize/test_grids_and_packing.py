@@ -195,17 +195,17 @@ def test_gptq_retries_dampening_on_a_singular_hessian():
 
 @pytest.mark.parametrize("dtype, int8_kernel", [(torch.float32, "torch"), (torch.bfloat16, "torch"),
                                                (torch.bfloat16, "kernel")])
-def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype, int8_kernel, monkeypatch):
+def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype, int8_kernel):
     """Up to INT8PACK_MAX_ROWS rows an int8 kernel runs (quantpipe's CPU kernel for bf16 where
     it is built, else torch's), past it the dense GEMM on the integer values: all compute
     x @ dequantized.T (bf16 within its rounding)."""
+    from quantpipe.runtime.model.cpu_kernels import CpuKernels
     from quantpipe.runtime.model.quantized import INT8PACK_MAX_ROWS, Int8PackLinear
 
-    monkeypatch.setenv("QUANTPIPE_CPU_INT8", int8_kernel)
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8)
     qw = QuantWeight(q, torch.rand(96, 1, generator=g) / 50 + 1e-3, None, 8, None)
-    lin = Int8PackLinear(qw, None, dtype)
+    lin = Int8PackLinear(qw, None, dtype, kernels=CpuKernels.parse("int8" if int8_kernel == "torch" else ""))
     if int8_kernel == "kernel":
         from quantpipe.runtime.model.quantized import int8_kernel as built
 
@@ -283,12 +283,12 @@ def test_packed_linear_is_the_dequantized_product_on_each_of_its_paths(bits, gro
     assert kernel_for(odd, torch.device("cpu"), torch.float32).kernel == "dequant"  # K not a multiple of 32
 
 
-def test_packed_kernel_off_leaves_float32_models_dequantized(monkeypatch):
+def test_packed_kernel_off_leaves_float32_models_dequantized():
+    from quantpipe.runtime.model.cpu_kernels import CpuKernels
     from quantpipe.runtime.model.quantized import kernel_for
 
     qw = QuantWeight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 8, None)
-    monkeypatch.setenv("QUANTPIPE_CPU_PACKED", "0")
-    assert kernel_for(qw, torch.device("cpu"), torch.float32).kernel == "dequant"
+    assert kernel_for(qw, torch.device("cpu"), torch.float32, CpuKernels.parse("packed")).kernel == "dequant"
 
 
 def test_w8a8_linear_in_bf16_is_the_float32_function_within_bf16_rounding():
