@@ -3,10 +3,6 @@ import os
 import pytest
 import torch
 
-# Imported before any test module imports transformers: binds `kernels` to Hugging Face's
-# package, not the repository's kernels/ folder (see quantpipe._bind_installed_kernels).
-import quantpipe  # noqa: F401
-
 # Two cores on CI: keep torch from oversubscribing them when tests run beside servers.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -80,3 +76,21 @@ def w8a16_artifact(tmp_path_factory):
     from quantpipe.quantize import QuantConfig, quantize
 
     return str(quantize(None, QuantConfig(scheme="W8A16"), None, str(tmp_path_factory.mktemp("w8") / "w8a16")).path)
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory):
+    """quantpipe built as a (non-editable) wheel and installed on its own into a folder:
+    (wheel path, install folder, the build's output)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tmp = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp), root],
+                          check=True, capture_output=True, text=True)
+    (wheel,) = tmp.glob("*.whl")
+    site = tmp / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    return wheel, site, proc.stdout + proc.stderr
