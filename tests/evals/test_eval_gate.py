@@ -7,7 +7,9 @@ a user compares schemes; the gate then judges each candidate of that one report.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -248,3 +250,22 @@ def test_baseline_against_itself_passes_in_every_bootstrap_seed(sample_set):
         rows_judged = judge({"scope": "quality"}, {"quality": q}, rules)
         passed += all(r["result"] == "pass" for r in rows_judged)
     assert passed >= 19  # at least 95% of seeded repeats
+
+
+@pytest.mark.slow
+def test_gate_runs_from_an_installed_wheel_with_its_own_default_policy(report, built_wheel, tmp_path):
+    """A non-editable wheel, installed on its own, carries the default policy: `quantpipe gate`
+    from it judges the report as the checkout does."""
+    import subprocess
+    import sys
+
+    _, site, _ = built_wheel
+    out, _ = report
+    proc = subprocess.run([sys.executable, "-m", "quantpipe", "gate", str(out), "--candidate", "w8a16",
+                           "--out", str(tmp_path / "v.json")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(site)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    verdict = json.loads((tmp_path / "v.json").read_text())
+    assert verdict["verdict"] == "pass"
+    assert verdict["policy"]["path"].startswith(str(site)), verdict["policy"]["path"]
+    assert verdict["policy"]["sha256"] == hashlib.sha256(DEFAULT_POLICY.read_bytes()).hexdigest()
