@@ -85,9 +85,17 @@ def built_wheel(tmp_path_factory):
     import subprocess
     import sys
 
+    import shutil
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tmp = tmp_path_factory.mktemp("wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp), root],
+    # Built from a copy: setuptools builds in the source tree (build/), and a build/ left
+    # there by an earlier layout would put stale modules into the wheel.
+    src = tmp / "src"
+    shutil.copytree(root, src, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
+        "artifacts", "reports", "bench-results", ".quantpipe", "results", "*-set"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp), str(src)],
                           check=True, capture_output=True, text=True)
     (wheel,) = tmp.glob("*.whl")
     site = tmp / "site"
