@@ -14,7 +14,6 @@ justify per channel). Tokens per byte come from the engine's block count for one
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -35,12 +34,13 @@ def main() -> None:
 
     from quantpipe.evals.scorer import score_many
     from quantpipe.evals.stats import quality_with_ci
+    from quantpipe.formats.calib_set import CalibSet
     from quantpipe.quantize.kv import static_kv_scales
     from quantpipe.quantize.stage import calibration_texts
     from quantpipe.runtime.llm_engine import LLMEngine
     from quantpipe.runtime.model.loader import load_model
 
-    rows = [json.loads(line) for line in open(os.path.join(args.heldout, "heldout.jsonl"))][: args.max_texts]
+    rows = CalibSet.open(args.heldout, "--heldout").rows("heldout")[: args.max_texts]
     base, _, tok = load_model(None, torch.float32)
     texts, _ = calibration_texts(args.calib)
     calib = [tok.encode(t)[:512] for t in texts[: args.calib_samples]]

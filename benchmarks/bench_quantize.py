@@ -68,8 +68,9 @@ def docs_sets(folder: str) -> tuple[str, str]:
 def heldout_texts(folder: str, max_texts: int) -> tuple[list[str], list[str]]:
     """Texts and strata of up to `max_texts` rows of a calibrate set's heldout.jsonl, taken
     evenly through the file so they spread over its strata."""
-    with open(os.path.join(folder, "heldout.jsonl"), encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
+    from quantpipe.formats.calib_set import CalibSet
+
+    rows = CalibSet.open(folder, "--heldout").rows("heldout")
     rows = rows[:: max(1, len(rows) // max_texts)][:max_texts]
     return [r["text"] for r in rows], [r["stratum"] for r in rows]
 

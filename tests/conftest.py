@@ -82,10 +82,9 @@ def w8a16_artifact(tmp_path_factory):
 def built_wheel(tmp_path_factory):
     """quantpipe built as a (non-editable) wheel and installed on its own into a folder:
     (wheel path, install folder, the build's output)."""
+    import shutil
     import subprocess
     import sys
-
-    import shutil
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tmp = tmp_path_factory.mktemp("wheel")

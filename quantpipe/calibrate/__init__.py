@@ -9,6 +9,7 @@ cli.py (`quantpipe calibrate`).
 """
 
 from quantpipe.calibrate.config import CalibConfig
-from quantpipe.calibrate.stage import CalibSet, calibrate
+from quantpipe.calibrate.stage import calibrate
+from quantpipe.formats.calib_set import CalibSet
 
 __all__ = ["CalibConfig", "CalibSet", "calibrate"]

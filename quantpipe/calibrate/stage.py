@@ -10,12 +10,10 @@ that were sampled.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,36 +22,11 @@ from quantpipe.calibrate import clean, report, strata
 from quantpipe.calibrate.config import CalibConfig
 from quantpipe.calibrate.scan import conversation_key, first_pass, render
 from quantpipe.calibrate.sources import BadLine, ReadStats, Record, detect_format, expand_inputs, read_batch, read_file
-from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output, write_json
+from quantpipe.formats import calib_set
+from quantpipe.formats.calib_set import CalibSet
+from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output
 
 log = logging.getLogger("quantpipe.calibrate")
-
-
-@dataclass
-class CalibSet:
-    path: Path
-    manifest: dict
-
-    @property
-    def calib_path(self) -> Path:
-        return self.path / "calib.jsonl"
-
-    @property
-    def heldout_path(self) -> Path:
-        return self.path / "heldout.jsonl"
-
-    def rows(self, which: str = "calib") -> list[dict]:
-        with open(self.path / f"{which}.jsonl", encoding="utf-8") as f:
-            return [json.loads(line) for line in f]
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> CalibSet:
-        path = Path(path)
-        try:
-            manifest = json.loads((path / "manifest.json").read_text())
-        except OSError:
-            raise StageError(f"{path}: not a calibration set (no manifest.json)") from None
-        return cls(path, manifest)
 
 
 def _records(files: list[str], formats: list[str], cfg: CalibConfig, stats: ReadStats,
@@ -210,18 +183,12 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
         "seed": cfg.seed,
     }
     with staged_output(cfg.out, overwrite=cfg.overwrite) as tmp:
-        for name, rs in (("calib.jsonl", calib_rows), ("heldout.jsonl", heldout_rows)):
-            with open(tmp / name, "w", encoding="utf-8") as f:
-                for r in rs:
-                    f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
-        manifest["outputs"] = {name: {"sha256": sha256_file(tmp / name), "rows": len(rs)}
-                               for name, rs in (("calib.jsonl", calib_rows), ("heldout.jsonl", heldout_rows))}
-        write_json(tmp / "manifest.json", manifest)
+        calib_set.write(tmp, calib_rows, heldout_rows, manifest)
         (tmp / "coverage.html").write_text(report.coverage_html(manifest), encoding="utf-8")
     for s in under:
         log.warning("stratum %s is under-covered: the cleaned log holds fewer than --min-per-stratum %d",
                     s, cfg.min_per_stratum)
-    return CalibSet(Path(cfg.out), manifest)
+    return CalibSet.open(cfg.out, "--out")
 
 
 def _select(cfg: CalibConfig, keep: np.ndarray, names: list[str], convs: list[int], conv_keys: list[str],

@@ -24,6 +24,7 @@ from quantpipe.eval.suite import EvalSuite
 from quantpipe.evals import generation, mc
 from quantpipe.evals.scorer import score_many
 from quantpipe.evals.stats import mean_with_se, quality_with_ci
+from quantpipe.formats.calib_set import CalibSet
 from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output, write_json
 
 log = logging.getLogger("quantpipe.eval")
@@ -50,21 +51,14 @@ def resolve_baseline(baseline: str | None, manifests: list[dict]) -> tuple[str |
 
 
 def load_heldout(calib: str, max_texts: int, seed: int) -> tuple[list[dict], dict]:
-    p = Path(calib)
-    f = p / "heldout.jsonl"
-    if not f.is_file():
-        raise StageError(f"--calib {calib}: not a calibration set (no heldout.jsonl); make one with "
-                         f"`quantpipe calibrate`")
-    rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    cs = CalibSet.open(calib)
+    rows = cs.rows("heldout")
     if not rows:
         raise StageError(f"--calib {calib}: heldout.jsonl is empty")
     if len(rows) > max_texts:  # a seeded subset; the held-out set is already stratified
         keep = sorted(np.random.default_rng(seed).choice(len(rows), max_texts, replace=False))
         rows = [rows[i] for i in keep]
-    info = {"path": str(p), "sha256": sha256_file(f), "rows": len(rows)}
-    if (p / "manifest.json").is_file():
-        info["manifest_sha256"] = sha256_file(p / "manifest.json")
-    return rows, info
+    return rows, {**cs.info("heldout"), "rows": len(rows)}
 
 
 def stratum_groups(rows: list[dict]) -> dict[str, list[int]]:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import click
 
+from quantpipe.formats import calib_set
+from quantpipe.formats.calib_set import CalibSet
 from quantpipe.manifest import StageError, code_version, sha256_bytes, sha256_file
 from quantpipe.pipeline.recipe import Candidate, PipelineRecipe
 
@@ -63,6 +65,7 @@ class Run:
     src_sha: str = ""
     calib: str = ""
     heldout_sha: str = ""  # hashes computed once, for every step's key
+    calib_sha: str = ""
     shas: dict = field(default_factory=dict)  # candidate name -> artifact sha256
     keys: Keys = None
     times: dict = field(default_factory=dict)
@@ -110,7 +113,8 @@ def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
     run.src_sha = model_sha256(run.src)
     _check_configs(run)
     run.calib = calibrate_step(run)
-    run.heldout_sha = sha256_file(Path(run.calib) / "heldout.jsonl")
+    opened = CalibSet.open(run.calib, "calibrate.set" if recipe.calib_set else "calibrate")
+    run.calib_sha, run.heldout_sha = opened.sha256[calib_set.CALIB], opened.sha256[calib_set.HELDOUT]
     artifacts = {c.name: quantize_step(run, c) for c in recipe.candidates}
     run.shas = {name: artifact_sha256(a) for name, a in artifacts.items()}
     kernels_note = kernels_step(run)
@@ -159,9 +163,7 @@ def calibrate_step(run: Run) -> str:
 
     recipe = run.recipe
     if recipe.calib_set:
-        t = run.step(1, "calibrate", f"using the existing set {recipe.calib_set}")
-        if not (Path(recipe.calib_set) / "heldout.jsonl").exists():
-            raise StageError(f"calibrate.set {recipe.calib_set}: not a calibration set (no heldout.jsonl)")
+        t = run.step(1, "calibrate", f"using the existing set {recipe.calib_set}")  # opened and checked by the caller
         run.done(t, "given", "calibrate")
         return recipe.calib_set
     out = f"calib_sets/{recipe.name}-set"
@@ -184,8 +186,7 @@ def quantize_step(run: Run, cand: Candidate) -> Path:
     artifact = run.artifact(cand)
     cfg = cand.config
     need = cfg.calibration_need()  # the stage's own answer: which configurations read calibration data
-    calib_file = Path(run.calib) / "calib.jsonl"
-    key = _key("quantize", run.src_sha, sha256_file(calib_file) if need else None, cfg.to_dict())
+    key = _key("quantize", run.src_sha, run.calib_sha if need else None, cfg.to_dict())
     t = run.step(2, "quantize", f"{cand.name}" + (f" (calibrated: {need})" if need else ""))
     if run.keys.fresh(f"quantize:{cand.name}", key, artifact):
         run.done(t, f"unchanged, reusing {artifact}", "quantize")

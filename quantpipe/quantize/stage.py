@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from quantpipe.artifact import artifact_sha256, model_sha256
+from quantpipe.formats.calib_set import CalibSet
 from quantpipe.manifest import (
     MANIFEST_VERSION,
     StageError,
@@ -56,15 +57,8 @@ def calibration_texts(calib: str | None) -> tuple[list[str], dict]:
         return [], {"kind": "none"}
     p = Path(calib)
     if p.is_dir():
-        f = p / "calib.jsonl"
-        if not f.exists():
-            raise StageError(f"--calib {calib}: not a calibration set (no calib.jsonl); make one with "
-                             f"`quantpipe calibrate`")
-        texts = [json.loads(line)["text"] for line in f.read_text(encoding="utf-8").splitlines() if line]
-        manifest = json.loads((p / "manifest.json").read_text()) if (p / "manifest.json").exists() else {}
-        return texts, {"kind": "calibrate", "path": str(p), "sha256": sha256_file(f),
-                       "manifest_sha256": sha256_file(p / "manifest.json") if (p / "manifest.json").exists() else None,
-                       "strata": [s["name"] for s in manifest.get("strata", [])]}
+        cs = CalibSet.open(p)
+        return cs.texts("calib"), {"kind": "calibrate", **cs.info("calib"), "strata": cs.strata()}
     if p.is_file():
         return _generic_texts(p), {"kind": "generic", "path": str(p), "sha256": sha256_file(p)}
     raise StageError(f"--calib {calib}: no such file or folder")

@@ -1,0 +1,9 @@
+"""The file formats the stages hand each other, one owner module per format: it writes,
+reads and validates its files, and computes each file's hash once.
+
+- `calib_set`: a calibration set (`calib.jsonl`, `heldout.jsonl`, `manifest.json`),
+  written by calibrate, read by quantize, eval, the pipeline and the benchmarks.
+
+These modules import only the standard library and `quantpipe.manifest`; every stage above
+goes through them.
+"""
