@@ -31,10 +31,19 @@ def model_sha256(path: str | os.PathLike) -> str:
 
 def read_manifest(path: str | os.PathLike, what: str = "artifact") -> dict:
     """An artifact's quantpipe.json; a clear error naming `what` when it is not one."""
+    from quantpipe.manifest import StageError
+
     f = Path(path) / "quantpipe.json"
     if not f.is_file():
-        from quantpipe.manifest import StageError
-
         raise StageError(f"{what} {path}: not a quantpipe artifact (no quantpipe.json); make one with "
                          f"`quantpipe quantize`")
-    return json.loads(f.read_text())
+    try:
+        manifest = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StageError(f"{what} {path}: quantpipe.json is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("stage") != "quantize":
+        raise StageError(f"{what} {path}: quantpipe.json is not a quantize manifest (needs stage 'quantize')")
+    src = manifest.get("source_model")
+    if not isinstance(src, dict) or not isinstance(src.get("sha256"), str):
+        raise StageError(f"{what} {path}: quantpipe.json has no source_model.sha256 (the model it was quantized from)")
+    return manifest

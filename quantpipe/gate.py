@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 import quantpipe.evals
+from quantpipe.formats.report import REPORT, read_report
 from quantpipe.manifest import StageError, code_version, read_yaml, sha256_file
 
 OPS = {"<=": lambda v, t: v <= t, "<": lambda v, t: v < t, ">=": lambda v, t: v >= t, ">": lambda v, t: v > t}
@@ -159,10 +160,8 @@ def gate(report_dir: str, policy: str, candidate: str | None = None, artifact: s
     """(exit code, verdict); writes verdict.json (into the report folder unless `out`)."""
     from quantpipe.artifact import artifact_sha256
 
-    rpath = Path(report_dir) / "report.json"
-    if not rpath.is_file():
-        raise StageError(f"report {report_dir}: no report.json; make one with `quantpipe eval`")
-    report = json.loads(rpath.read_text())
+    rpath = Path(report_dir) / REPORT
+    report = read_report(report_dir)
     rules, policy_info = load_policy(policy)
     cands = report.get("candidates") or []
     if candidate is None:
@@ -187,7 +186,7 @@ def gate(report_dir: str, policy: str, candidate: str | None = None, artifact: s
         problems.append(f"report scope {report.get('scope')} leaves every rule of the policy out")
     verdict = outcome(rows, bool(problems))
     code = EXIT_CODES[verdict]
-    doc = {"verdict": verdict, "passed": verdict == "pass", "scope": report.get("scope"), "rules": rows,
+    doc = {"verdict": verdict, "passed": verdict == "pass", "kind": "gate", "scope": report.get("scope"), "rules": rows,
            "problems": problems, "candidate": {"name": cand["name"], "sha256": cand["sha256"], "path": cand["path"]},
            "report": {"path": str(rpath), "sha256": sha256_file(rpath)}, "policy": policy_info,
            "baseline": report.get("baseline"), "heldout": report.get("heldout"), "code_version": code_version()}

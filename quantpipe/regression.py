@@ -26,6 +26,7 @@ import json
 import math
 from pathlib import Path
 
+from quantpipe.formats.report import REPORT, read_report
 from quantpipe.gate import EXIT_CODES, Rule, judge, outcome, resolve, resolve_keys, write_atomic
 from quantpipe.manifest import StageError, code_version, read_yaml, sha256_file
 
@@ -100,10 +101,8 @@ def record(baseline: dict, report: dict, report_sha: str) -> dict:
 
 def against(report_dir: str, baseline_path: str, out: str | None = None, write: bool = False) -> tuple[int, dict]:
     """(exit code, verdict) of every candidate the baseline has references for."""
-    rpath = Path(report_dir) / "report.json"
-    if not rpath.is_file():
-        raise StageError(f"report {report_dir}: no report.json; make one with `quantpipe eval`")
-    report = json.loads(rpath.read_text())
+    rpath = Path(report_dir) / REPORT
+    report = read_report(report_dir)
     baseline = load_baseline(baseline_path)
     if write:
         record(baseline, report, sha256_file(rpath))

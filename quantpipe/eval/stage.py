@@ -25,6 +25,7 @@ from quantpipe.evals import generation, mc
 from quantpipe.evals.scorer import score_many
 from quantpipe.evals.stats import mean_with_se, quality_with_ci
 from quantpipe.formats.calib_set import CalibSet
+from quantpipe.formats.report import read_report
 from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output, write_json
 
 log = logging.getLogger("quantpipe.eval")
@@ -186,20 +187,6 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
         report["time_s"] = {k: round(v, 1) for k, v in phases.items()}
         write_json(tmp / "report.json", report)
         (tmp / "report.html").write_text(report_html(report), encoding="utf-8")
-    return report
-
-
-def read_report(report_dir: str | Path, what: str = "report") -> dict:
-    """report.json of an eval output folder, with a clear error when it is missing or not one."""
-    path = Path(report_dir) / "report.json"
-    try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise StageError(f"{what} {report_dir}: no report.json; make one with `quantpipe eval`") from None
-    except (OSError, ValueError) as e:
-        raise StageError(f"{what} {path}: not a readable JSON report ({e})") from None
-    if not isinstance(report, dict) or report.get("stage") != "eval" or not isinstance(report.get("candidates"), list):
-        raise StageError(f"{what} {path}: not an eval report (no stage: eval with a candidates list)")
     return report
 
 

@@ -232,7 +232,8 @@ def kernels_build(run: Run, row: dict, artifact: Path, note: str | None) -> None
 
 def quality_step(run: Run, artifacts: dict[str, Path]) -> dict:
     """Every candidate's quality in one pass over the held-out set (the baseline runs once per text)."""
-    from quantpipe.eval.stage import evaluate, read_report
+    from quantpipe.eval.stage import evaluate
+    from quantpipe.formats.report import read_report
 
     out = run.reports / "quality"
     key = _key("quality", run.shas, run.heldout_sha, run.suite.to_dict(), run.src_sha)

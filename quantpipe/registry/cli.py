@@ -75,8 +75,12 @@ def rollback_command(name, reason, registry_uri) -> int:
     return _run("rollback", go)
 
 
+EXIT_INCONCLUSIVE = 3  # distinct from 2, which click and every quantpipe command use for bad input
+
+
 @click.command("canary", help="Serve @champion and @candidate behind one endpoint; roll back on a breach, "
-                              "promote when the window passes. Exit 0 promoted, 1 rolled back, 2 inconclusive.")
+                              "promote when the window passes. Exit 0 promoted, 1 rolled back, 2 bad input or "
+                              "registry error (nothing served), 3 inconclusive (nothing changed).")
 @click.argument("name")
 @click.option("--fraction", type=float, default=0.1, show_default=True, help="share of conversations to the candidate")
 @click.option("--duration", default="10m", show_default=True, help="the window: 90s, 10m, 1h")
@@ -105,7 +109,7 @@ def canary_command(name, fraction, duration, policy, host, port, mirror_fraction
     click.echo(json.dumps({k: r.get(k) for k in ("decision", "reason", "metrics", "after_s")}, default=str))
     click.echo(f"{name}: {r['decision']} version {r['candidate_version']} ({r['reason']}); champion is version "
                f"{r['candidate_version'] if r['decision'] == 'promoted' else r['champion_version']}")
-    return {"promoted": 0, "rolled_back": 1}.get(r["decision"], 2)
+    return {"promoted": 0, "rolled_back": 1}.get(r["decision"], EXIT_INCONCLUSIVE)
 
 
 @click.group("registry", help="A team's MLflow registry server.")

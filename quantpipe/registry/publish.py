@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from quantpipe.artifact import artifact_sha256, read_manifest
+from quantpipe.formats.report import read_report, read_verdict
 from quantpipe.manifest import StageError, code_version, sha256_file
 
 log = logging.getLogger("quantpipe.registry")
@@ -43,6 +44,8 @@ def _client(uri: str):
 
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    elif uri.startswith(("http://", "https://")):
+        check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -114,14 +117,13 @@ def rejudge(verdict: dict, policy: str) -> tuple[dict, dict]:
 
     ref = verdict.get("report") or {}
     rpath = Path(ref.get("path", ""))
-    try:
-        got = sha256_file(rpath)
-        report = json.loads(rpath.read_text())
-    except (OSError, ValueError) as e:
-        raise StageError(f"--verdict: its report {rpath}: {getattr(e, 'strerror', None) or e}") from None
+    if not rpath.is_file():
+        raise StageError(f"--verdict: its report {rpath} is missing")
+    got = sha256_file(rpath)
     if got != ref.get("sha256"):
         raise StageError(f"--verdict: its report {rpath} has sha256 {got[:12]}, not the "
                          f"{str(ref.get('sha256'))[:12]} it judged: the report changed after its verdict")
+    report = read_report(rpath.parent, "--verdict: its report")
     sha = verdict["candidate"]["sha256"]
     entry = next((c for c in report.get("candidates", []) if c.get("sha256") == sha), None)
     if entry is None:
@@ -156,10 +158,7 @@ def publish(artifact: str, verdict_path: str, name: str, registry_uri: str = DEF
     if not MODEL_NAME.fullmatch(name or ""):
         raise StageError(f"--name {name!r}: letters, digits, '_', '.', '-' (at most 100, starting alphanumeric)")
     manifest = read_manifest(artifact, "artifact")
-    try:
-        verdict = json.loads(Path(verdict_path).read_text())
-    except (OSError, ValueError) as e:
-        raise StageError(f"--verdict {verdict_path}: {getattr(e, 'strerror', None) or e}") from None
+    verdict = read_verdict(verdict_path)
     check_verdict(artifact, verdict, str(policy or DEFAULT_POLICY), allow_partial)
     report_path = Path(verdict["report"]["path"])
     report, entry = rejudge(verdict, str(policy or DEFAULT_POLICY))
@@ -242,18 +241,51 @@ def _undo(client, name: str, version, run_id: str) -> None:
         pass
 
 
-def _version(client, name: str, version) -> object:
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """A registry server that does not answer its health check is reported as unreachable at
+    once (MLflow's client would retry for minutes and then say little more)."""
+    import urllib.error
+    import urllib.request
+
     try:
-        return client.get_model_version(name, str(version))
-    except Exception:  # noqa: BLE001
-        raise RegistryError(f"model {name!r} has no version {version}") from None
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
+            pass
+    except urllib.error.HTTPError:
+        return  # it answered: a server is there (auth and paths are the client's business)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise RegistryError(f"registry {uri}: unreachable ({reason}); is `mlflow server` running there? "
+                            f"(--registry-uri / MLFLOW_TRACKING_URI)") from None
+
+
+_NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
+
+def _lookup(fn, what: str):
+    """fn()'s result; None when the registry says that it has no such thing. Any other failure
+    (unreachable, refused, a server error) is a RegistryError that says so."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return fn()
+    except MlflowException as e:
+        if e.error_code in _NOT_FOUND:
+            return None
+        raise RegistryError(f"registry: looking up {what} failed ({e.error_code}: {str(e.message)[:200]})") from None
+    except Exception as e:  # noqa: BLE001 - connection errors surface as requests' or urllib3's exceptions
+        raise RegistryError(f"registry: looking up {what} failed ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _version(client, name: str, version) -> object:
+    mv = _lookup(lambda: client.get_model_version(name, str(version)), f"{name} version {version}")
+    if mv is None:
+        raise RegistryError(f"model {name!r} has no version {version}")
+    return mv
 
 
 def _alias_version(client, name: str, alias: str) -> str | None:
-    try:
-        return str(client.get_model_version_by_alias(name, alias).version)
-    except Exception:  # noqa: BLE001 - no such alias (or model)
-        return None
+    mv = _lookup(lambda: client.get_model_version_by_alias(name, alias), f"{name}@{alias}")
+    return None if mv is None else str(mv.version)
 
 
 def promote(name: str, version: int | str, registry_uri: str = DEFAULT_REGISTRY, reason: str = "") -> dict:

@@ -32,7 +32,7 @@ def _candidate(name: str, kl: float, top1: float, code_kl: float) -> dict:
 def _report(tmp_path, name: str, *cands: dict, heldout: str = "a" * 64):
     d = tmp_path / name
     d.mkdir()
-    (d / "report.json").write_text(json.dumps({"scope": "quality", "heldout": {"sha256": heldout},
+    (d / "report.json").write_text(json.dumps({"stage": "eval", "scope": "quality", "heldout": {"sha256": heldout},
                                                "candidates": list(cands)}))
     return d
 

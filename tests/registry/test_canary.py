@@ -163,7 +163,7 @@ def test_healthy_candidate_is_promoted(registry, w8a16_artifact, tmp_path):
     healthy = shutil.copytree(w8a16_artifact, tmp_path / "w8-again")
     v = publish(str(healthy), verdict_for(str(healthy), tmp_path / "r"), "smol", uri)["version"]
     port = _free_port()
-    # 60 s: a 40 s window once ended inconclusive (exit 2, too few samples for a rule) on
+    # 60 s: a 40 s window once ended inconclusive (exit 3, too few samples for a rule) on
     # a loaded 2-core machine, and so did a 60 s one while both servers' thread pools
     # spanned both cores (7 mirrored pairs in 60 s here; 54 since each side has its own).
     proc = _canary(uri, "smol", port, _policy(tmp_path), "60s")

@@ -259,3 +259,41 @@ def test_registry_stopped_mid_publish_leaves_no_version(artifact, tmp_path, monk
         assert not _client(again).search_model_versions("name='interrupted'")
     finally:
         again.stop()
+
+
+def test_bad_verdict_files_and_an_unreachable_registry_are_named(artifact, tmp_path, capsys, monkeypatch):
+    """Each is refused with one line naming the file or the registry, before anything is
+    registered; an unreachable registry says so (not "has no version")."""
+    from quantpipe.cli import main
+
+    closed = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    good = verdict_for(artifact, tmp_path / "good")
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text('{"verdict": "pass", ')
+    regression = tmp_path / "regression.json"
+    regression.write_text(json.dumps({"verdict": "pass", "passed": True, "kind": "regression", "rules": []}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"verdict": "pass", "rules": []}))
+    # the verdict's report made unreadable, with the verdict's hash of it updated to match
+    bad_report = verdict_for(artifact, tmp_path / "bad-report")
+    (tmp_path / "bad-report" / "report.json").write_text("{\"stage\": \"eval\", ")
+    doc = json.loads(Path(bad_report).read_text())
+    doc["report"]["sha256"] = sha256_file(tmp_path / "bad-report" / "report.json")
+    Path(bad_report).write_text(json.dumps(doc))
+    cases = {str(corrupt): "not valid JSON", str(regression): "a regression verdict",
+             str(other): r"not a gate verdict \(missing or malformed: candidate, report, policy\)",
+             bad_report: "its report .*report.json: not valid JSON"}
+    for verdict, message in cases.items():
+        with pytest.raises(StageError, match=message):
+            publish(artifact, verdict, "refused", closed)
+    for call in (lambda: publish(artifact, good, "smol", closed), lambda: promote("smol", 1, closed),
+                 lambda: rollback("smol", closed), lambda: resolve_model_uri("models:/smol@champion", closed)):
+        with pytest.raises(RegistryError, match=rf"registry {closed}: unreachable"):
+            call()
+    assert main(["promote", "smol", "--version", "1", "--registry-uri", closed]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unreachable" in err and "\n" not in err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", closed)
+    assert main(["serve", "models:/smol@champion"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("quantpipe serve: registry") and "unreachable" in err and "\n" not in err
