@@ -10,14 +10,14 @@ import click
 from quantpipe import __version__
 from quantpipe.calibrate.cli import calibrate_command
 from quantpipe.eval.cli import eval_command
-from quantpipe.gate import gate_command
+from quantpipe.gate_cli import gate_command
 from quantpipe.kernels.cli import kernels_group
 from quantpipe.pipeline.cli import pipeline_command
 from quantpipe.quantize.cli import quantize_command
 from quantpipe.registry.cli import canary_command, promote_command, publish_command, registry_group, rollback_command
 from quantpipe.runtime.bench.cli import bench
 from quantpipe.runtime.cli import export_hf, generate
-from quantpipe.runtime.server.cli import serve_command
+from quantpipe.runtime.server.cli import make_serve_command
 from quantpipe.runtime.utils import run_click
 
 
@@ -40,7 +40,19 @@ cli.add_command(kernels_group)
 cli.add_command(pipeline_command)
 for command in (publish_command, promote_command, rollback_command, canary_command, registry_group):
     cli.add_command(command)
-cli.add_command(serve_command)
+
+
+def _registry_model(uri: str) -> str:
+    """models:/NAME@ALIAS or /VERSION -> the local artifact folder (for `quantpipe serve`)."""
+    from quantpipe.registry import RegistryError, resolve_model_uri
+
+    try:
+        return resolve_model_uri(uri)
+    except RegistryError as e:
+        raise ValueError(str(e)) from None
+
+
+cli.add_command(make_serve_command(resolve_model=_registry_model))
 cli.add_command(generate)
 cli.add_command(export_hf)
 cli.add_command(bench)

@@ -45,6 +45,26 @@ class EngineArgs:
     disable_cpu_kernels: tuple[str, ...] | str = ()
 
 
+def _cuda_plan(model: str | None, device: torch.device):
+    """The Triton kernel plan a quantized artifact recorded for this GPU, or None."""
+    try:
+        from quantpipe.kernels.plan import plan_for
+    except ImportError as e:
+        log.warning("quantized layers use the torch fallback: quantpipe.kernels is not importable (%s)", e)
+        return None
+    return plan_for(model, device)
+
+
+def _cuda_decode_kernel(model, block_size: int):
+    """quantpipe.kernels' paged decode for this model's KV cache, or None (said why)."""
+    try:
+        from quantpipe.kernels.paged_attention import decode_kernel_for
+    except ImportError as e:
+        log.warning("decode attention uses gather + GEMMs: triton is not importable (%s)", e)
+        return None
+    return decode_kernel_for(model, block_size)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -94,8 +114,10 @@ class LLMEngine:
             raise ValueError(f"block_size must be in [1, 1024], got {args.block_size}")
         check_kv_cache_dtype(args.kv_cache_dtype)
         self.cpu_kernels = CpuKernels.parse(args.disable_cpu_kernels)
+        cuda = self.device.type == "cuda"
         model, self.model_config, self.tokenizer = load_model(args.model, self.dtype, self.device,
-                                                              cpu_kernels=self.cpu_kernels)
+                                                              kernel_plan=_cuda_plan(args.model, self.device)
+                                                              if cuda else None, cpu_kernels=self.cpu_kernels)
         model.to(self.device)
         if args.kv_cache_dtype != "auto":  # asked for explicitly: dynamic scales, whatever the artifact says
             model.kv_cache_dtype = args.kv_cache_dtype
@@ -121,7 +143,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.pool
         )
-        self.runner = ModelRunner(model, num_blocks, args.block_size, self.device, self.dtype, self.cpu_kernels)
+        self.runner = ModelRunner(model, num_blocks, args.block_size, self.device, self.dtype, self.cpu_kernels,
+                                  _cuda_decode_kernel(model, args.block_size) if cuda else None)
         self.generator = torch.Generator().manual_seed(args.seed)
         self.tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()

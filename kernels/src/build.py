@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quantpipe.formats.packing import pack_int32
 from quantpipe.kernels import int8_gemm, mixed_gemm, paged_attention, reference
 from quantpipe.kernels.configs import INTERPRET_CONFIGS, GemmConfig, gemm_configs
 from quantpipe.kernels.plan import CACHE_DIR, PLAN_FILE, PLAN_FORMAT, triton_version, weight_case
 from quantpipe.manifest import StageError, code_version, sha256_file, write_json
-from quantpipe.quantize.pack import pack_int32
 from quantpipe.runtime.model import compressed
 from quantpipe.runtime.model.config import ModelConfig
 from quantpipe.runtime.model.kv_cache import make_kv_cache
@@ -71,7 +71,7 @@ def read_artifact(path: str | Path) -> Artifact:
     """The artifact's matmul cases; a malformed one is refused naming the tensor."""
     from safetensors.torch import load_file
 
-    from quantpipe.runtime.model.loader import _quantized_layers
+    from quantpipe.runtime.model.loader import quantized_layers
 
     path = Path(path)
     try:
@@ -89,7 +89,7 @@ def read_artifact(path: str | Path) -> Artifact:
     for f in files:
         state.update(load_file(f))
     try:
-        quant = _quantized_layers(state, qcfg, cfg)
+        quant = quantized_layers(state, qcfg, cfg)
         kv_dtype, kv_scales = compressed.kv_cache_format(qcfg, state, cfg.num_layers, cfg.num_kv_heads,
                                                          cfg.head_dim)
     except ValueError as e:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantpipe.kernels.configs import GemmConfig
+from quantpipe.formats.packing import pack_int32
+from quantpipe.kernels.configs import GemmConfig, bucket_for
 from quantpipe.kernels.int8_gemm import w8a8_gemm
 from quantpipe.kernels.mixed_gemm import mixed_gemm
-from quantpipe.kernels.plan import KernelPlan
-from quantpipe.quantize.pack import pack_int32
 from quantpipe.runtime.model.quantized import QuantWeight
 
 
@@ -29,7 +28,7 @@ class _TritonLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = self.matmul(x2, KernelPlan.pick(self.configs, x2.shape[0])).reshape(*shape[:-1], self.out_features)
+        y = self.matmul(x2, self.configs[bucket_for(x2.shape[0], list(self.configs))]).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 

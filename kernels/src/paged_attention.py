@@ -10,6 +10,7 @@ keeps an online softmax, so no gathered copy of the context is ever built.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -17,7 +18,9 @@ import triton
 import triton.language as tl
 
 from quantpipe.kernels.common import round_half_even
-from quantpipe.runtime.model.kv_cache import _TINY, KVCache, QuantizedKVCache
+from quantpipe.runtime.model.kv_cache import SCALE_FLOOR, KVCache, QuantizedKVCache
+
+log = logging.getLogger("quantpipe.kernels")
 
 AUTO, INT8_DYNAMIC, INT8_STATIC = 0, 1, 2
 
@@ -142,4 +145,19 @@ def kv_write(cache: QuantizedKVCache, slots: torch.Tensor, k: torch.Tensor, v: t
     for i, x in enumerate((k, v)):
         x = x.contiguous()
         values, scale, zero = _storage(cache, i)
-        _kv_write_kernel[(t, kvh)](x, slots, values, scale, zero, kvh, x.stride(0), D=d, KIND=kind, TINY=_TINY)
+        _kv_write_kernel[(t, kvh)](x, slots, values, scale, zero, kvh, x.stride(0), D=d, KIND=kind, TINY=SCALE_FLOOR)
+
+
+def decode_kernel_for(model, block_size: int):
+    """`paged_decode` when it has a case for this model's KV cache and block size, else None
+    (said why): what the engine hands its runner on CUDA."""
+    cfg = model.config
+    reason = None
+    if model.kv_cache_dtype == "fp8":
+        reason = "an fp8 KV cache"
+    elif cfg.head_dim & (cfg.head_dim - 1) or block_size & (block_size - 1):
+        reason = f"head_dim {cfg.head_dim} / block_size {block_size} not powers of two"
+    if reason:
+        log.warning("decode attention uses gather + GEMMs: the Triton paged decode kernel has no case for %s", reason)
+        return None
+    return paged_decode

@@ -82,6 +82,38 @@ class KernelPlan:
     def pick(configs: dict[int, GemmConfig], rows: int) -> GemmConfig:
         return configs[bucket_for(rows, list(configs))]
 
+    def linear_for(self, qw) -> tuple[object | None, str, str | None]:
+        """(factory(qw, bias, dtype, kernels=...) -> module, case key, why not): the Triton
+        module for this weight's case, or None with the reason when the plan has no config
+        for it. The runtime asks this; it imports no kernel itself."""
+        key, kernel, reason = weight_case(qw)
+        configs = self.configs(key)
+        if configs is None:
+            return None, key, reason or "not in kernels.json (built for another artifact?)"
+        from quantpipe.kernels.linear import TritonMixedLinear, TritonW8A8Linear
+
+        cls = TritonMixedLinear if kernel == "mixed_gemm" else TritonW8A8Linear
+        return (lambda q, bias, dtype, kernels=None: cls(q, bias, dtype, configs)), key, None
+
+
+def plan_for(model: str | None, device) -> KernelPlan | None:
+    """The plan a quantized artifact recorded for this CUDA device (None for other models or
+    devices, or when the artifact has none for this device: said by load_plan)."""
+    import torch
+
+    from quantpipe.runtime.model.loader import resolve_model_path
+
+    if torch.device(device).type != "cuda":
+        return None
+    path = Path(resolve_model_path(model))
+    try:
+        quantized = path.is_dir() and "quantization_config" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loader says what is wrong with it
+    if not quantized:
+        return None
+    return load_plan(path, torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+
 
 def load_plan(artifact: str | Path, device_name: str, capability: tuple[int, int]) -> KernelPlan | None:
     """The artifact's plan if it was built for this device and Triton version; else None, said once."""

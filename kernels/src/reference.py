@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from quantpipe.runtime.model.compressed import unpack_int32
+from quantpipe.formats.packing import unpack_int32
 from quantpipe.runtime.model.quantized import quantize_per_token
 
 

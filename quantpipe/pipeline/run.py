@@ -273,7 +273,7 @@ def latency_and_gate(run: Run, row: dict, artifact: Path) -> tuple[int, dict]:
 
 
 def publish_step(run: Run, winner: dict | None, artifacts: dict[str, Path]) -> str | None:
-    from quantpipe.registry import publish, resolve_registry_uri
+    from quantpipe.registry import publish, resolve_registry_uri, version_with_artifact
 
     recipe = run.recipe
     t = run.step(7, "publish")
@@ -285,7 +285,7 @@ def publish_step(run: Run, winner: dict | None, artifacts: dict[str, Path]) -> s
         return None
     reg, name = resolve_registry_uri(recipe.registry), recipe.publish_name or recipe.name
     artifact = artifacts[winner["name"]]
-    existing = _published(reg, name, run.shas[winner["name"]])
+    existing = version_with_artifact(name, run.shas[winner["name"]], reg)
     if existing:
         run.done(t, f"already published as {existing}", "publish")
         return existing
@@ -293,21 +293,6 @@ def publish_step(run: Run, winner: dict | None, artifacts: dict[str, Path]) -> s
                 source_model=run.src)
     run.done(t, f"{r['uri']} (alias candidate) in {reg}", "publish")
     return r["uri"]
-
-
-def _published(registry_uri: str, name: str, sha: str) -> str | None:
-    """models:/NAME/V of a version already holding this artifact, if any."""
-    from quantpipe.registry.publish import _client
-
-    client = _client(registry_uri)
-    try:
-        versions = client.search_model_versions(f"name='{name}'")
-    except Exception:  # noqa: BLE001 - no such model yet
-        return None
-    for v in versions:
-        if v.tags.get("quantpipe.artifact_sha256") == sha:
-            return f"models:/{name}/{v.version}"
-    return None
 
 
 def _summary(run: Run, table: list[dict], winner: dict | None, uri: str | None, doc: dict, code: int,

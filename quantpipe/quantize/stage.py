@@ -23,6 +23,7 @@ import torch
 
 from quantpipe.artifact import artifact_sha256, model_sha256
 from quantpipe.formats.calib_set import CalibSet
+from quantpipe.formats.packing import pack_int32
 from quantpipe.manifest import (
     MANIFEST_VERSION,
     StageError,
@@ -35,7 +36,6 @@ from quantpipe.manifest import (
 from quantpipe.quantize import awq
 from quantpipe.quantize.config import QuantConfig
 from quantpipe.quantize.gptq import HessianError, gptq
-from quantpipe.quantize.pack import pack_int32
 from quantpipe.quantize.rtn import WeightScheme, rtn
 from quantpipe.runtime.model.export import export_tokenizer, hf_config, hf_state_dict
 from quantpipe.runtime.model.forward import SequencePass

@@ -15,7 +15,8 @@ from quantpipe.registry.publish import (
     resolve_registry_uri,
     rollback,
     source_model,
+    version_with_artifact,
 )
 
 __all__ = ["DEFAULT_REGISTRY", "RegistryError", "promote", "publish", "resolve_model_uri", "resolve_registry_uri",
-           "rollback", "source_model"]
+           "rollback", "source_model", "version_with_artifact"]

@@ -288,6 +288,18 @@ def _alias_version(client, name: str, alias: str) -> str | None:
     return None if mv is None else str(mv.version)
 
 
+def version_with_artifact(name: str, sha256: str, registry_uri: str = DEFAULT_REGISTRY) -> str | None:
+    """models:/NAME/V of a version of `name` that holds the artifact with this sha256, if any."""
+    client = _client(registry_uri)
+    if _lookup(lambda: client.get_registered_model(name), f"model {name}") is None:
+        return None
+    versions = _lookup(lambda: client.search_model_versions(f"name='{name}'"), f"versions of {name}") or []
+    for v in versions:
+        if v.tags.get("quantpipe.artifact_sha256") == sha256:
+            return f"models:/{name}/{v.version}"
+    return None
+
+
 def promote(name: str, version: int | str, registry_uri: str = DEFAULT_REGISTRY, reason: str = "") -> dict:
     client = _client(registry_uri)
     mv = _version(client, name, version)

@@ -12,24 +12,10 @@ import re
 
 import torch
 
+from quantpipe.formats.packing import pack_factor, unpack_int32
 from quantpipe.runtime.model.quantized import QuantWeight
 
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "mixed-precision")
-
-
-def _pack_factor(bits: int) -> int:
-    return 32 // bits
-
-
-def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, dim: int = 1) -> torch.Tensor:
-    """int32 words (lowest bits first, unsigned offset 2^(b-1)) -> signed int8 values."""
-    if dim == 0:
-        return unpack_int32(packed.t(), num_bits, size, 1).t().contiguous()
-    p = _pack_factor(num_bits)
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(p, dtype=torch.int64) * num_bits
-    u = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
-    return (u.reshape(packed.shape[0], -1)[:, :size] - (1 << (num_bits - 1))).to(torch.int8)
 
 
 def _matches(name: str, targets: list[str], class_name: str = "Linear") -> bool:
@@ -145,9 +131,9 @@ def read_quantized(state: dict[str, torch.Tensor], qcfg: dict, module: str) -> Q
         if packed is None or shape is None:
             raise ValueError(f"{p}weight_packed / weight_shape missing for a pack-quantized layer")
         n, k = (int(v) for v in shape.tolist())
-        if packed.dtype != torch.int32 or packed.shape[0] != n or packed.shape[1] != -(-k // _pack_factor(bits)):
+        if packed.dtype != torch.int32 or packed.shape[0] != n or packed.shape[1] != -(-k // pack_factor(bits)):
             raise ValueError(f"{p}weight_packed has shape {tuple(packed.shape)} {packed.dtype}; expected int32 "
-                             f"[{n}, {-(-k // _pack_factor(bits))}] for {bits}-bit weights of shape [{n}, {k}]")
+                             f"[{n}, {-(-k // pack_factor(bits))}] for {bits}-bit weights of shape [{n}, {k}]")
         q = unpack_int32(packed, bits, k)
     else:
         q = state.pop(p + "weight", None)

@@ -29,7 +29,7 @@ import torch
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_TINY = 1e-7  # smallest scale kept: a constant row quantizes to its zero, not to inf/nan
+SCALE_FLOOR = 1e-7  # smallest scale kept: a constant row quantizes to its zero, not to inf/nan
 
 
 def check_kv_cache_dtype(value: str) -> str:
@@ -99,13 +99,13 @@ class QuantizedKVCache:
             return (xf / s).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8), None, None
         if self.kind == "int8":
             lo, hi = xf.amin(-1), xf.amax(-1)
-            scale = ((hi - lo) / 255).clamp_min(_TINY).half()
+            scale = ((hi - lo) / 255).clamp_min(SCALE_FLOOR).half()
             zero = lo.half()
             # Round with the stored (fp16) scale and zero so the read inverts exactly this step.
-            q = torch.round((xf - zero.float()[..., None]) / scale.float().clamp_min(_TINY)[..., None])
+            q = torch.round((xf - zero.float()[..., None]) / scale.float().clamp_min(SCALE_FLOOR)[..., None])
             return (q.clamp_(0, 255) - 128).to(torch.int8), scale, zero
-        scale = (xf.abs().amax(-1) / _FP8_MAX).clamp_min(_TINY).half()
-        q = (xf / scale.float().clamp_min(_TINY)[..., None]).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+        scale = (xf.abs().amax(-1) / _FP8_MAX).clamp_min(SCALE_FLOOR).half()
+        q = (xf / scale.float().clamp_min(SCALE_FLOOR)[..., None]).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
         return q.view(torch.uint8), scale, None
 
     def _dequantize(self, q: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,

@@ -71,7 +71,7 @@ def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     return out
 
 
-def _quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConfig) -> dict[str, QuantWeight]:
+def quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConfig) -> dict[str, QuantWeight]:
     """Our (fused) module names -> QuantWeight, popping the HF-named tensors from `state`."""
     compressed.validate(qcfg)
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
@@ -110,7 +110,7 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
     for f in files:
         state.update(load_file(f))
     qcfg = raw.get("quantization_config")
-    quant = _quantized_layers(state, qcfg, cfg) if qcfg else {}
+    quant = quantized_layers(state, qcfg, cfg) if qcfg else {}
     kv_dtype, kv_scales = compressed.kv_cache_format(qcfg, state, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) \
         if qcfg else ("auto", None)
     model = _build(cfg, _fuse(state, cfg), dtype, quantized=set(quant))
@@ -121,13 +121,8 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
         if cfg.tie_word_embeddings and "lm_head" in quant:
             raise ValueError("lm_head is quantized but tied to the embeddings; untie it before quantizing")
         device = device or torch.device("cpu")
-        plan = kernel_plan
-        if plan is None and device.type == "cuda" and not quant_kernel:
-            from quantpipe.kernels.plan import load_plan
-
-            name = torch.cuda.get_device_name(device)
-            plan = load_plan(path, name, torch.cuda.get_device_capability(device))
-        swap_linears(model, quant, dtype, device, force_kernel=quant_kernel, plan=plan, cpu_kernels=cpu_kernels)
+        swap_linears(model, quant, dtype, device, force_kernel=quant_kernel, plan=kernel_plan,
+                     cpu_kernels=cpu_kernels)
     return model, cfg
 
 
@@ -236,9 +231,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | Non
     """(model, config, tokenizer or None) from a GGUF file, an HF folder or a quantized artifact.
 
     `device` picks the kernels of quantized layers (they differ between CPU and CUDA);
-    `quant_kernel` ("dequant", ...) overrides that choice, for checks and debugging. On CUDA
-    the Triton kernels run by the artifact's kernels.json; `kernel_plan` (a loaded KernelPlan)
-    imposes one instead, on any device (on CPU only in Triton's interpreter: for checks).
+    `quant_kernel` ("dequant", ...) overrides that choice, for checks and debugging.
+    `kernel_plan` (a quantpipe.kernels KernelPlan, which the engine loads from the artifact's
+    kernels.json on CUDA) runs quantized layers through the Triton kernels it names, on any
+    device (on CPU only in Triton's interpreter: for checks); without one, CUDA dequantizes.
     `cpu_kernels` names the runtime's CPU kernels turned off (quantized layers take torch's path).
     """
     path = resolve_model_path(model)

@@ -290,17 +290,10 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,
 
 def _triton_module(qw: QuantWeight, plan, missing: dict[str, str]):
     """A factory for the Triton module of this weight's case in `plan`, or None (recorded in `missing`)."""
-    from quantpipe.kernels.plan import weight_case
-
-    key, kernel, reason = weight_case(qw)
-    configs = plan.configs(key)
-    if configs is None:
-        missing[key] = reason or "not in kernels.json (built for another artifact?)"
-        return None
-    from quantpipe.kernels.linear import TritonMixedLinear, TritonW8A8Linear
-
-    cls = TritonMixedLinear if kernel == "mixed_gemm" else TritonW8A8Linear
-    return lambda q, bias, dtype, kernels=ALL_ON: cls(q, bias, dtype, configs)
+    make, key, reason = plan.linear_for(qw)
+    if make is None:
+        missing[key] = reason
+    return make
 
 
 def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch.dtype,
@@ -308,8 +301,8 @@ def swap_linears(model: nn.Module, weights: dict[str, QuantWeight], dtype: torch
                  cpu_kernels: CpuKernels = ALL_ON) -> dict[str, str]:
     """Replace model.<name> (an nn.Linear) by a quantized module for each entry; returns name -> kernel.
 
-    `plan` (a quantpipe.kernels KernelPlan, CUDA only) runs its cases through the Triton kernels;
-    a case it lacks takes the fallback below, said once per case.
+    `plan` (a quantpipe.kernels KernelPlan, CUDA only) runs its cases through the Triton kernels
+    it names (`plan.linear_for`); a case it lacks takes the fallback below, said once per case.
     """
     kinds = {"int8pack": Int8PackLinear, "int4pack": Int4PackLinear, "packed-f32": PackedLinear,
              "dequant": DequantLinear, "w8a8": W8A8Linear}

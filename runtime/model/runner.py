@@ -24,13 +24,15 @@ log = logging.getLogger("quantpipe.runtime")
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype,
-                 cpu_kernels: CpuKernels = ALL_ON):
+                 cpu_kernels: CpuKernels = ALL_ON, cuda_decode_kernel=None):
+        """`cuda_decode_kernel`: the paged decode the engine chose for CUDA (quantpipe.kernels'),
+        or None for the gather + GEMMs path; on CPU the runtime's own kernel is used."""
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.kv_caches = [layer_cache(model, i, num_blocks * block_size, device) for i in range(cfg.num_layers)]
-        self.decode_kernel = _cuda_decode_kernel(model, block_size) if device.type == "cuda" else \
+        self.decode_kernel = cuda_decode_kernel if device.type == "cuda" else \
             _cpu_decode_kernel(model) if cpu_kernels.enabled("attention") else None
         blocked = block_wide_linears(model, device) if cpu_kernels.enabled("blocked-gemm") else []
         if blocked:
@@ -115,25 +117,6 @@ class ModelRunner:
             return table, None, lens
         mask = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
         return table, mask[:, None, None, :], lens
-
-
-def _cuda_decode_kernel(model: LlamaForCausalLM, block_size: int):
-    """quantpipe.kernels' paged decode for this model's KV cache on CUDA, or None (said why)."""
-    cfg = model.config
-    reason = None
-    if model.kv_cache_dtype == "fp8":
-        reason = "an fp8 KV cache"
-    elif cfg.head_dim & (cfg.head_dim - 1) or block_size & (block_size - 1):
-        reason = f"head_dim {cfg.head_dim} / block_size {block_size} not powers of two"
-    else:
-        try:
-            from quantpipe.kernels.paged_attention import paged_decode
-        except ImportError as e:
-            reason = f"triton is not importable ({e})"
-    if reason:
-        log.warning("decode attention uses gather + GEMMs: the Triton paged decode kernel has no case for %s", reason)
-        return None
-    return paged_decode
 
 
 def _cpu_decode_kernel(model: LlamaForCausalLM):

@@ -96,7 +96,10 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
     return keys
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, resolve_model=None) -> int:
+    """Serve until stopped. `resolve_model` turns a MODEL that is not a path (a registry URI,
+    models:/NAME@ALIAS) into one; the quantpipe CLI passes its registry's resolver, and the
+    runtime itself knows no registry."""
     from quantpipe.runtime.llm_engine import EngineArgs
     from quantpipe.runtime.server.app import create_app
     from quantpipe.runtime.server.config import ServerConfig
@@ -107,11 +110,13 @@ def run(args: argparse.Namespace) -> int:
                         force=True)
     model = args.model_flag or args.model
     if model and model.startswith("models:/"):  # a registry URI: serve the artifact it names
-        from quantpipe.registry import RegistryError, resolve_model_uri
-
+        if resolve_model is None:
+            print(f"quantpipe serve: MODEL {model}: registry URIs are resolved by `quantpipe serve`; this entry "
+                  f"point serves a path (GGUF, HF folder or artifact)", file=sys.stderr)
+            return 2
         try:
-            model = resolve_model_uri(model)
-        except RegistryError as e:
+            model = resolve_model(model)
+        except ValueError as e:
             print(f"quantpipe serve: {e}", file=sys.stderr)
             return 2
     try:
@@ -191,10 +196,18 @@ def model_names(model: str | None, served: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-@click.command("serve", help="Run the OpenAI-compatible HTTP server.")
-@serve_options
-def serve_command(**options) -> int:
-    return run(argparse.Namespace(**options))
+def make_serve_command(resolve_model=None) -> click.Command:
+    """The `serve` command; `resolve_model` as in `run`."""
+
+    @click.command("serve", help="Run the OpenAI-compatible HTTP server.")
+    @serve_options
+    def serve_command(**options) -> int:
+        return run(argparse.Namespace(**options), resolve_model)
+
+    return serve_command
+
+
+serve_command = make_serve_command()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,11 +21,10 @@ from safetensors.torch import load_file, save_file
 from quantpipe.cli import main
 from quantpipe.eval.stage import evaluate
 from quantpipe.eval.suite import EvalSuite
+from quantpipe.formats.packing import pack_int32, unpack_int32
 from quantpipe.gate import DEFAULT_POLICY, gate, resolve
 from quantpipe.manifest import StageError
 from quantpipe.quantize import QuantConfig, quantize
-from quantpipe.quantize.pack import pack_int32
-from quantpipe.runtime.model.compressed import unpack_int32
 
 # One eval of six candidates on the default model: several minutes on 2 cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

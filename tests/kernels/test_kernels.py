@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantpipe.formats.packing import pack_int32
 from quantpipe.kernels import int8_gemm, mixed_gemm, paged_attention, reference
 from quantpipe.kernels.build import TOLERANCE
 from quantpipe.kernels.configs import INTERPRET_CONFIGS, GemmConfig
-from quantpipe.quantize.pack import pack_int32
 from quantpipe.runtime.engine.block_pool import BlockPool, hash_block
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup
 from quantpipe.runtime.model.attention import paged_attention as runtime_attention

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantpipe.formats.packing import pack_int32, unpack_int32
 from quantpipe.quantize.gptq import gptq
-from quantpipe.quantize.pack import pack_int32, unpack_int32
 from quantpipe.quantize.rtn import WeightScheme, dequantize, qparams, rtn
 from quantpipe.runtime.model.quantized import QuantWeight
 

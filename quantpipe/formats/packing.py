@@ -1,4 +1,5 @@
-"""The compressed-tensors `pack-quantized` layout, both ways.
+"""The compressed-tensors `pack-quantized` layout, both ways: one implementation for the
+quantize stage that writes it, the runtime that reads it and the kernels that check it.
 
 Weights quantized to b bits (signed, in [-2^(b-1), 2^(b-1) - 1]) are stored with an
 unsigned offset (q + 2^(b-1)) and packed 32/b values per int32 along the input
@@ -11,9 +12,6 @@ Asymmetric zero points are packed the same way along the output dimension:
 from __future__ import annotations
 
 import torch
-
-# Reading back is the runtime's job (it loads artifacts): one implementation for both sides.
-from quantpipe.runtime.model.compressed import unpack_int32
 
 __all__ = ["pack_factor", "pack_int32", "unpack_int32"]
 
@@ -43,3 +41,13 @@ def pack_int32(q: torch.Tensor, num_bits: int, dim: int = 1) -> torch.Tensor:
     # int64 sums of non-overlapping bit fields fit in 32 bits; reinterpret as signed int32.
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, dim: int = 1) -> torch.Tensor:
+    """int32 words (lowest bits first, unsigned offset 2^(b-1)) -> signed int8 values."""
+    if dim == 0:
+        return unpack_int32(packed.t(), num_bits, size, 1).t().contiguous()
+    p = pack_factor(num_bits)
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(p, dtype=torch.int64) * num_bits
+    u = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
+    return (u.reshape(packed.shape[0], -1)[:, :size] - (1 << (num_bits - 1))).to(torch.int8)
