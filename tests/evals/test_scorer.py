@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -29,9 +30,10 @@ def _texts(n: int = 12) -> list[str]:
 def test_baseline_against_itself_in_any_order(tmp_path):
     _, src = build(tmp_path, "llama-tied")
     model, _, _ = load_model(src, torch.float32)
+    twin, _, _ = load_model(src, torch.float32)  # loaded apart: the scorer computes both sides
     texts = _texts()
     strata = ["a" if i % 3 else "b" for i in range(len(texts))]
-    first = score(model, model, IdTokenizer(), texts, strata)
+    first = score(model, twin, IdTokenizer(), texts, strata)
     s = first.summary()
     assert s["kl_mean"] == 0 and s["kl_p99"] == 0 and s["top1_agreement"] == 1.0 and s["ppl_delta_pct"] == 0
     # Shuffled order, other texts before them, and other candidates beside them: the
@@ -67,3 +69,26 @@ def test_damage_shows_up(tmp_path):
     pb, pc = F.log_softmax(lb.double(), -1), F.log_softmax(lc.double(), -1)
     assert np.allclose(chunked.kl, (pb.exp() * (pb - pc)).sum(-1).clamp(min=0).numpy(), rtol=1e-9, atol=1e-12)
     assert (chunked.agree == (pb.argmax(-1) == pc.argmax(-1)).double().numpy()).all()
+
+
+def test_perplexity_is_hf_transformers_loss_on_the_same_tokens(tmp_path):
+    """Every headline figure is a perplexity delta: the scorer's per-token NLL, averaged, is the
+    loss HF transformers computes for the same tokens, and its perplexity exp of the mean."""
+    from transformers import AutoModelForCausalLM
+
+    _, src = build(tmp_path, "llama-tied")
+    ours, _, _ = load_model(src, torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    texts = _texts(6)
+    result = score(ours, ours, IdTokenizer(), texts)
+    losses, counts = [], []
+    with torch.no_grad():
+        for text, stats in zip(texts, result.texts):
+            ids = torch.tensor([IdTokenizer().encode(text)])
+            loss = hf(ids, labels=ids).loss.item()  # mean NLL of tokens 1..n given their prefixes
+            assert len(stats.nll_base) == ids.shape[1] - 1
+            assert abs(stats.nll_base.mean() - loss) < 1e-4 * max(1.0, loss), (stats.nll_base.mean(), loss)
+            losses.append(loss)
+            counts.append(ids.shape[1] - 1)
+    want = math.exp(sum(loss * n for loss, n in zip(losses, counts)) / sum(counts))
+    assert abs(result.summary()["ppl_baseline"] / want - 1) < 1e-4
