@@ -57,9 +57,15 @@ def load_baseline(path: str) -> dict:
     return data
 
 
-def rules_for(baseline: dict, reference: dict) -> tuple[list[Rule], list[str]]:
-    """(rules, tolerance patterns that match nothing in the reference)."""
-    rules, unmatched = [], []
+# The values a metric can take, where it has bounds: a tolerance whose limit lies past the
+# bound on the worse side could never fail, and is refused rather than trusted.
+BOUNDS = {"exact_match": (0.0, 1.0), "top1_agreement": (0.0, 1.0), "accuracy": (0.0, 1.0),
+          "accuracy_drop_points": (-100.0, 100.0), "error_rate": (0.0, 1.0)}
+
+
+def rules_for(baseline: dict, reference: dict) -> tuple[list[Rule], list[str], list[str]]:
+    """(rules, tolerance patterns that match nothing in the reference, rules that can never fail)."""
+    rules, unmatched, unfailable = [], [], []
     for pattern, tol in baseline["tolerances"].items():
         found = [(p, v) for p, v in resolve(reference, pattern) if isinstance(v, (int, float)) and math.isfinite(v)]
         if not found:
@@ -68,7 +74,12 @@ def rules_for(baseline: dict, reference: dict) -> tuple[list[Rule], list[str]]:
             slack = max(float(tol.get("abs", 0.0)), float(tol.get("rel", 0.0)) * abs(ref))
             limit = ref + slack if tol["worse"] == "higher" else ref - slack
             rules.append(Rule(path, "point", WORSE[tol["worse"]], limit))
-    return rules, unmatched
+            low, high = BOUNDS.get(path.rsplit(".", 1)[-1], (-math.inf, math.inf))
+            if (tol["worse"] == "lower" and limit <= low) or (tol["worse"] == "higher" and limit >= high):
+                bound = low if tol["worse"] == "lower" else high
+                unfailable.append(f"tolerance {pattern} on {path}: the limit {limit:.4g} (reference {ref:.4g}) is past "
+                                  f"the metric's bound {bound:g}, so the rule could never fail; narrow it")
+    return rules, unmatched, unfailable
 
 
 def reference_of(candidate: dict, patterns) -> dict:
@@ -122,9 +133,10 @@ def against(report_dir: str, baseline_path: str, out: str | None = None, write: 
         if name not in by_name:
             problems.append(f"candidate {name}: in the baseline, not in the report (has {', '.join(by_name)})")
             continue
-        rules, unmatched = rules_for(baseline, ref)
+        rules, unmatched, unfailable = rules_for(baseline, ref)
         rows += [{**r, "candidate": name} for r in judge(report, by_name[name], rules)]
         problems += [f"candidate {name}: tolerance {p} matches no reference value" for p in unmatched]
+        problems += [f"candidate {name}: {p}" for p in unfailable]
     verdict = outcome(rows, bool(problems) or not rows)
     code = EXIT_CODES[verdict]
     doc = {"verdict": verdict, "passed": verdict == "pass", "kind": "regression", "rules": rows,

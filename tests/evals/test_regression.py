@@ -113,3 +113,34 @@ def test_cli_refuses_policy_with_against(tmp_path, capsys):
     assert "--record needs --against" in capsys.readouterr().err
     assert main(["gate", r, "--against", str(base), "--record"]) == 0
     assert "PASS  w4: quality.kl_mean (point)" in capsys.readouterr().out
+
+
+def test_a_tolerance_that_could_never_fail_is_refused(tmp_path):
+    base = tmp_path / "ci.yaml"
+    base.write_text(BASELINE.replace("quality.top1_agreement: {worse: lower, abs: 0.005}",
+                                     "quality.top1_agreement: {worse: lower, abs: 0.95}"))
+    ref = _report(tmp_path, "ref", _candidate("w4", 0.04, 0.9, 0.05))
+    against(str(ref), str(base), write=True)
+    code, doc = against(str(ref), str(base))  # the same values: every rule met, yet not a pass
+    assert code == 2 and doc["verdict"] == "cannot_judge"
+    assert any("quality.top1_agreement" in p and "could never fail" in p for p in doc["problems"]), doc["problems"]
+
+
+def test_every_tolerance_of_the_ci_baseline_can_fail():
+    """Each rule evals/baselines/ci.yaml makes from its committed references has its limit inside
+    the range its metric can take, on the worse side: a regression can cross it."""
+    from pathlib import Path
+
+    from quantpipe.regression import BOUNDS, rules_for
+
+    root = Path(__file__).resolve().parents[2]
+    baseline = load_baseline(str(root / "evals" / "baselines" / "ci.yaml"))
+    refs = baseline["references"]["candidates"]
+    assert set(refs) == {"ci-w8a16-rtn", "ci-w4a16-gptq"}
+    for name, ref in refs.items():
+        rules, unmatched, unfailable = rules_for(baseline, ref)
+        assert not unmatched and not unfailable, (name, unmatched, unfailable)
+        for rule in rules:
+            low, high = BOUNDS.get(rule.metric.rsplit(".", 1)[-1], (float("-inf"), float("inf")))
+            assert (low < rule.threshold) if rule.op == ">=" else (rule.threshold < high), (name, rule)
+        assert any(r.metric == "generation.exact_match" for r in rules)

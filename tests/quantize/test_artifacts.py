@@ -17,13 +17,12 @@ from quantpipe.runtime.model.forward import sequence_logits
 from quantpipe.runtime.model.loader import load_model
 from tests.model.test_parity_architectures import ARCHS, build
 
-pytest.importorskip("compressed_tensors")
-
 IDS = [3, 17, 250, 99, 4, 4, 120, 300, 7, 64, 12, 200, 31, 9, 150, 42]
 
 
 def hf_reference_logits(artifact: str) -> torch.Tensor:
     """HF transformers on the weights compressed-tensors decompresses from the artifact."""
+    pytest.importorskip("compressed_tensors")  # only the tests that compare against it
     import transformers
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
@@ -130,6 +129,7 @@ def test_corrupt_artifact_is_refused_naming_the_tensor(tmp_path):
 
 def test_w8a8_smoothquant_matches_a_fake_quant_reference(tmp_path):
     """W8A8: smoothing keeps the float function; the runtime equals HF with per-token fake-quant inputs."""
+    pytest.importorskip("compressed_tensors")
     import transformers
     from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
@@ -222,6 +222,7 @@ def hf_reference_logits_mixed(artifact: str) -> torch.Tensor:
     """Like hf_reference_logits, with each module decompressed by its own config group."""
     import re
 
+    pytest.importorskip("compressed_tensors")
     import transformers
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
