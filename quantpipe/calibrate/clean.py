@@ -1,8 +1,10 @@
 """Cleaning: PII scrubbed to typed placeholders, exact and near-duplicates found.
 
-PII: emails, phone numbers, card numbers (digit runs that pass the Luhn check, so ids
-and timestamps stay), IPv4/IPv6 addresses, API keys (OpenAI, AWS, GitHub, Slack,
-Google shapes, and `api_key = ...` assignments) and bearer tokens become <TYPE>
+PII: emails, phone numbers (national and international groupings), card numbers (digit
+runs that pass the Luhn check, so ids and timestamps stay), IPv4/IPv6 addresses (IPv6
+compressed too), API keys and secrets (OpenAI, Anthropic, AWS, GitHub, GitLab, Slack
+tokens and webhooks, Google, Stripe, Hugging Face shapes, JWTs, PEM private keys, and
+`api_key = ...` / `client_secret: ...` assignments) and bearer tokens become <TYPE>
 placeholders, counted per type.
 
 Near-duplicates: texts are normalized (case, digits, capitalized words, whitespace),
@@ -15,6 +17,7 @@ differ only in numbers, names or whitespace have identical signatures and count 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 
 import numpy as np
@@ -23,24 +26,34 @@ import numpy as np
 # since most calibration texts hold no PII at all and regexes cost ~50 ns per character.
 _BEARER = re.compile(r"\b[Bb]earer\s+[A-Za-z0-9._~+/=-]{12,}")
 _API_KEY = re.compile(
-    r"\b(?:sk-(?:proj-)?[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}|xox[abpr]-[A-Za-z0-9-]{10,}"
-    r"|AIza[0-9A-Za-z_-]{35})\b")
+    r"\b(?:sk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}|xox[abpr]-[A-Za-z0-9-]{10,}"
+    r"|AIza[0-9A-Za-z_-]{35}|[sr]k_(?:live|test)_[A-Za-z0-9]{20,}|hf_[A-Za-z0-9]{30,}|glpat-[A-Za-z0-9_-]{20,}"
+    r"|eyJ[A-Za-z0-9_-]{10,}\.eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,})"  # Stripe, Hugging Face, GitLab, JWTs
+    r"\b|https://hooks\.slack\.com/services/[A-Za-z0-9/]{20,}"
+    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S)
 # `api_key = "..."`: the value goes, the name stays (it tells the model what the line is).
-_KEY_ASSIGN = re.compile(r"(?i)(\b(?:api[_-]?key|secret[_-]?key|access[_-]?token|auth[_-]?token)\b\s*[:=]\s*[\"']?)"
+_KEY_ASSIGN = re.compile(r"(?i)((?<![a-z0-9])(?:api[_-]?key|secret[_-]?key|secret[_-]?access[_-]?key|access[_-]?token|auth[_-]?token"
+                         r"|client[_-]?secret)\b\s*[:=]\s*[\"']?)"
                          r"[A-Za-z0-9._/+-]{16,}")
-_API_KEY_HINTS = ("sk-", "AKIA", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "xox", "AIza")
-_ASSIGN_HINTS = ("key", "KEY", "Key", "token", "TOKEN", "Token")
+_API_KEY_HINTS = ("sk-", "AKIA", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "xox", "AIza", "k_live_", "k_test_", "hf_",
+                  "glpat-", "eyJ", "hooks.slack.com", "PRIVATE KEY")
+_ASSIGN_HINTS = ("key", "KEY", "Key", "token", "TOKEN", "Token", "secret", "SECRET", "Secret")
 # What every `api_key = ...` match contains; a charset-led pattern that re scans quickly,
 # while the full pattern (case-insensitive alternation) costs ~45 us on a 1 KB text.
 _ASSIGNED_VALUE = re.compile(r"[:=]\s*[\"']?[A-Za-z0-9._/+-]{16}")
 _EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
-_IPV6 = re.compile(r"\b(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}\b")
+# IPv6 in any written form (full, `::`-compressed, with an IPv4 tail): candidates that
+# ipaddress accepts and that hold at least three groups (so `x[::2]` and `a::b` stay).
+_IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|(?:\d{1,3}\.){3}\d{1,3})?(?![\w:])")
 # Runs of digits and separators long enough to be a card, an IPv4 address or a phone number.
 _NUMBERISH = re.compile(r"[0-9][0-9 .:()+-]{5,}[0-9]")
 _CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])")
 _IPV4 = re.compile(r"(?<![\d.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\d.])")
 _PHONE = re.compile(r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])\d{3,4}[ .-]\d{3,4}(?![\w-])"
                     r"|(?<![\w+])\+\d{10,14}(?!\w)")
+# International numbers written in other groupings (+33 1 42 68 53 00, +49 30 901820,
+# +91 98765 43210): a country code, then groups, 8 to 15 digits in all (E.164's limit).
+_INTL_PHONE = re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(?\d{1,5}\)?){2,6}(?![\w-])")
 PII_TYPES = ("BEARER_TOKEN", "API_KEY", "EMAIL", "CARD", "IP", "PHONE")
 
 
@@ -73,10 +86,30 @@ def _card(counts: dict[str, int]):
     return replace
 
 
+def _counted(name: str, counts: dict[str, int], keep):
+    def replace(m: re.Match) -> str:
+        if not keep(m.group(0)):
+            return m.group(0)
+        counts[name] = counts.get(name, 0) + 1
+        return f"<{name}>"
+    return replace
+
+
+def _is_ipv6(candidate: str) -> bool:
+    if sum(1 for g in candidate.split(":") if g) < 3:
+        return False
+    try:
+        ipaddress.IPv6Address(candidate)
+    except ValueError:
+        return False
+    return True
+
+
 def _numbers(span: str, counts: dict[str, int]) -> str:
     span = _CARD.sub(_card(counts), span)
     span = _sub(_IPV4, "IP", span, counts)
-    return _sub(_PHONE, "PHONE", span, counts)
+    span = _sub(_PHONE, "PHONE", span, counts)
+    return _INTL_PHONE.sub(_counted("PHONE", counts, lambda t: 8 <= sum(c.isdigit() for c in t) <= 15), span)
 
 
 def scrub(text: str, counts: dict[str, int]) -> str:
@@ -95,8 +128,8 @@ def scrub(text: str, counts: dict[str, int]) -> str:
             counts["API_KEY"] = counts.get("API_KEY", 0) + n
     if "@" in text:
         text = _sub(_EMAIL, "EMAIL", text, counts)
-    if text.count(":") >= 7:
-        text = _sub(_IPV6, "IP", text, counts)
+    if "::" in text or text.count(":") >= 7:
+        text = _IPV6.sub(_counted("IP", counts, _is_ipv6), text)
     pieces, last = [], 0
     for m in _NUMBERISH.finditer(text):
         # Widen by two characters on the left: a phone's "+1 " or "(" sits before its first digit.
