@@ -77,6 +77,7 @@ class Traffic:
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         self.sides: list[tuple[float, str, str]] = []  # (time the request was sent, conversation, side)
         self.errors: list[tuple[float, str]] = []  # (time sent, error) of requests that failed
+        self.log: list[list[str]] = [[], []]  # per thread, in order: "ok", "connection" or "status: ..."
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(2)]
 
@@ -92,8 +93,12 @@ class Traffic:
                 for _ in raw.parse():
                     pass
                 self.sides.append((sent, conv, raw.headers.get("x-canary-side")))
+                self.log[k].append("ok")
             except (openai.APIError, httpx.HTTPError) as e:
                 self.errors.append((sent, repr(e)))
+                refused = (isinstance(e, openai.APIConnectionError) and not isinstance(e, openai.APITimeoutError)) or (
+                    isinstance(e, httpx.TransportError) and not isinstance(e, httpx.TimeoutException))
+                self.log[k].append("connection" if refused else f"status: {e!r}"[:300])
                 if self.stop.is_set():
                     return
                 time.sleep(0.2)
@@ -108,6 +113,16 @@ class Traffic:
         self.stop.set()
         for t in self.threads:
             t.join(90)
+
+    def assert_served_until_shutdown(self) -> None:
+        """Every request answered while the router was up: no error of any kind but a refused
+        connection, and those only as each client's last requests (the router had exited)."""
+        for k, log in enumerate(self.log):
+            assert not [e for e in log if e.startswith("status")], (k, [e for e in log if e.startswith("status")][:3])
+            tail = len(log)
+            while tail and log[tail - 1] == "connection":
+                tail -= 1
+            assert "connection" not in log[:tail], (k, log)
 
 
 def _canary(registry: str, name: str, port: int, policy: Path, duration: str) -> subprocess.Popen:
@@ -172,6 +187,7 @@ def test_healthy_candidate_is_promoted(registry, w8a16_artifact, tmp_path):
         out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, (out[-2000:], err[-2000:])
     assert f"smol: promoted version {v}" in out, out
+    traffic.assert_served_until_shutdown()
     print(out)
     sides = {s for _, _, s in traffic.sides}
     assert sides == {"champion", "candidate"}
@@ -223,6 +239,8 @@ def test_broken_candidate_is_rolled_back_while_traffic_runs(registry, w8a16_arti
     # stops routing to the candidate before it reports the breach).
     late = [side for t, _, side in traffic.sides if t > breach_seen]
     assert late and set(late) == {"champion"}, (late, traffic.errors[-5:])
+    # The candidate's answers are garbage, not errors: the canary still never failed a request.
+    traffic.assert_served_until_shutdown()
     assert any(side == "candidate" for t, _, side in traffic.sides if t < breach_seen)
     # The decision is in the registry before the window ends, and the champion never moved.
     tags = client.get_model_version("smol", str(v)).tags
