@@ -32,8 +32,8 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=32)
     args = ap.parse_args()
 
-    from quantpipe.evals.scorer import score_many
-    from quantpipe.evals.stats import quality_with_ci
+    from quantpipe.eval.scorer import score_many
+    from quantpipe.eval.stats import quality_with_ci
     from quantpipe.formats.calib_set import CalibSet
     from quantpipe.quantize.kv import static_kv_scales
     from quantpipe.quantize.stage import calibration_texts

@@ -92,7 +92,7 @@ def main() -> int:
     if not args.heldout:
         ap.error("give --heldout (or --docs-sets DIR)")
 
-    from evals.scorer import score
+    from quantpipe.eval.scorer import score
     from quantpipe.quantize import QuantConfig, quantize
     from quantpipe.runtime.model.loader import load_model
 

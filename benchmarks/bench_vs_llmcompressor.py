@@ -42,7 +42,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from benchmarks.bench_quantize import heldout_texts
-    from evals.scorer import score_many
+    from quantpipe.eval.scorer import score_many
     from quantpipe.quantize import QuantConfig, quantize
     from quantpipe.quantize.stage import _token_samples, calibration_texts
     from quantpipe.runtime.model.loader import load_model

@@ -27,7 +27,8 @@ LAYERS = {
     "quantpipe.runtime.model.runner": ENGINE,  # executes the scheduler's steps on the model "quantpipe.runtime.llm_engine": ENGINE,
     "quantpipe.runtime.llm": ENGINE, "quantpipe.runtime.server": ENGINE, "quantpipe.runtime.bench": ENGINE,
     "quantpipe.runtime.workload": ENGINE, "quantpipe.runtime.cli": ENGINE,
-    "quantpipe.calibrate": STAGES, "quantpipe.quantize": STAGES, "quantpipe.eval": STAGES, "quantpipe.evals": STAGES,
+    "quantpipe.evals": FORMATS,  # data only (suites, policies, recipes, task files): its __init__ locates them
+    "quantpipe.calibrate": STAGES, "quantpipe.quantize": STAGES, "quantpipe.eval": STAGES,
     "quantpipe.gate": STAGES, "quantpipe.regression": STAGES,
     "quantpipe.kernels.build": STAGES, "quantpipe.kernels.cli": STAGES,  # the kernels build stage
     "quantpipe.registry": REGISTRY,

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from quantpipe.evals.generation import prompts_from
+from quantpipe.eval.generation import prompts_from
 from quantpipe.manifest import StageError
 from quantpipe.runtime.bench.metrics import metric_values
 from quantpipe.runtime.bench.runner import Runner, Target

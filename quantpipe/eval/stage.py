@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from quantpipe.artifact import artifact_sha256, model_sha256, read_manifest
+from quantpipe.eval import generation, mc
+from quantpipe.eval.scorer import score_many
+from quantpipe.eval.stats import mean_with_se, quality_with_ci
 from quantpipe.eval.suite import EvalSuite
-from quantpipe.evals import generation, mc
-from quantpipe.evals.scorer import score_many
-from quantpipe.evals.stats import mean_with_se, quality_with_ci
 from quantpipe.formats.calib_set import CalibSet
 from quantpipe.formats.report import read_report
 from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output, write_json

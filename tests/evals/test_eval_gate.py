@@ -233,8 +233,8 @@ def test_resolve_takes_keys_with_dots():
 
 
 def test_baseline_against_itself_passes_in_every_bootstrap_seed(sample_set):
+    from quantpipe.eval.scorer import score
     from quantpipe.eval.stage import load_heldout, quality_section, stratum_groups
-    from quantpipe.evals.scorer import score
     from quantpipe.gate import judge, load_policy
     from quantpipe.runtime.model.loader import load_model
 

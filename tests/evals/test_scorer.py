@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from evals.scorer import ROWS, score, score_many, token_stats
+from quantpipe.eval.scorer import ROWS, score, score_many, token_stats
 from quantpipe.runtime.model.forward import sequence_logits
 from quantpipe.runtime.model.loader import load_model
 from tests.model.test_parity_architectures import build

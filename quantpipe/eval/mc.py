@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from quantpipe.evals.stats import mean_with_se
+import quantpipe.evals
+from quantpipe.eval.stats import mean_with_se
 from quantpipe.runtime.model.forward import continuation_logits
 
-TASK_DIR = Path(__file__).resolve().parent / "mc" / "bigbench"
+TASK_DIR = Path(quantpipe.evals.__file__).resolve().parent / "mc" / "bigbench"
 
 
 @dataclass

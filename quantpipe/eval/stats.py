@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from quantpipe.evals.scorer import QualityScores
+from quantpipe.eval.scorer import QualityScores
 
 # metric -> how a replicate's value is computed from per-text sums
 MEAN_METRICS = ("kl_mean", "top1_agreement", "top5_miss")
