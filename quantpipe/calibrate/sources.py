@@ -22,6 +22,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from quantpipe.formats import request_log
 from quantpipe.manifest import StageError
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -155,7 +156,7 @@ def detect_format(path: str, requested: str, text_field: str | None) -> str:
             continue
         if not isinstance(obj, dict):
             continue
-        if {"status", "request", "endpoint"} <= obj.keys():
+        if request_log.is_record(obj):
             return "request-log"
         if "custom_id" in obj and ("body" in obj or "response" in obj):
             return "batch"
@@ -219,11 +220,12 @@ def _reply_of(resp) -> str:
 
 def parse_request_log(obj: dict, file: int, line: int) -> Record:
     try:
-        req, endpoint = obj["request"], obj["endpoint"]
-        rec = Record(str(obj["id"]), file, line, status=str(obj["status"]), endpoint=endpoint,
-                     model=obj.get("model"), labels=_labels(obj.get("metadata")), user=obj.get("user"))
-    except KeyError as e:
-        raise BadLine(f"request log line without {e.args[0]!r}") from None
+        request_log.version_of(obj)
+    except ValueError as e:
+        raise BadLine(str(e)) from None
+    req, endpoint = obj["request"], obj["endpoint"]
+    rec = Record(str(obj["id"]), file, line, status=str(obj["status"]), endpoint=endpoint,
+                 model=obj.get("model"), labels=_labels(obj.get("metadata")), user=obj.get("user"))
     out = obj.get("output") or {}
     rec.reply = out.get("text") or "" if isinstance(out, dict) else ""
     if req is None:  # refused before its body was read

@@ -5,6 +5,8 @@ reads and validates its files, and computes each file's hash once.
   written by calibrate, read by quantize, eval, the pipeline and the benchmarks.
 - `packing`: compressed-tensors' `pack-quantized` int32 words, packed by quantize,
   unpacked by the runtime's artifact reader and the kernels' references.
+- `request_log`: the versioned production request-log record, written by the server and
+  read by calibrate.
 - `report`: eval reports and gate verdicts, read by gate, regression, publish and the pipeline.
 
 These modules import only the standard library, torch and `quantpipe.manifest`; every

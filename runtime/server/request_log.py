@@ -26,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from quantpipe.formats import request_log
+
 log = logging.getLogger("quantpipe.runtime.server")
 
 _BATCH_LINES = 512
@@ -229,20 +231,12 @@ def log_record(request_id: str, created: float, endpoint: str, model: str, statu
             timings["queue_s"] = round(max(0.0, t.first_scheduled_time - t.arrival_time), 6)
         if t.first_token_time is not None:
             timings["ttft_s"] = round(max(0.0, t.first_token_time - t.arrival_time), 6)
-    record = {
-        "id": request_id, "created": round(created, 6), "endpoint": endpoint, "model": model, "status": status,
-        "request": body,
-        "output": {"text": responder.delivered_text(out) if responder is not None else "",
-                   "finish_reason": responder.delivered_finish_reason if responder is not None else None},
-        "usage": usage, "timings": timings,
-        "metadata": _labels(body, "metadata"),
-    }
-    user = _labels(body, "user")
-    if user is not None:
-        record["user"] = user
-    if error is not None:
-        record["error"] = {"status": error.status, "message": error.message, "code": error.code}
-    return record
+    return request_log.record(
+        request_id=request_id, created=created, endpoint=endpoint, model=model, status=status, request=body,
+        output_text=responder.delivered_text(out) if responder is not None else "",
+        finish_reason=responder.delivered_finish_reason if responder is not None else None,
+        usage=usage, timings=timings, metadata=_labels(body, "metadata"), user=_labels(body, "user"),
+        error=None if error is None else {"status": error.status, "message": error.message, "code": error.code})
 
 
 def _labels(body: dict | None, key: str):
