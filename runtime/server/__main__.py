@@ -1,4 +1,5 @@
-"""`python -m quantpipe.runtime.server [MODEL] [flags]`: same as `quantpipe serve`."""
+"""`python -m quantpipe.runtime.server [MODEL] [flags]`: `quantpipe serve` for a model path (registry
+URIs, models:/NAME@ALIAS, are resolved by `quantpipe serve` itself)."""
 
 import sys
 

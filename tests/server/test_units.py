@@ -124,3 +124,11 @@ def test_gate_queue_limit():
     get, _ = _gate_client(max_queued_requests=0)
     assert get("POST", "/v1/completions") == 429
     assert get("POST", "/tokenize") == 200  # only generation is queued
+
+
+def test_the_runtime_entry_point_leaves_registry_uris_to_quantpipe_serve(capsys):
+    from quantpipe.runtime.server.cli import main
+
+    assert main(["models:/smol@champion"]) == 2
+    err = capsys.readouterr().err
+    assert "registry URIs are resolved by `quantpipe serve`" in err and "Traceback" not in err
