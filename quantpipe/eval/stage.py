@@ -86,15 +86,17 @@ def quality_section(scores, groups: dict[str, list[int]], q: dict) -> dict:
 
 def _memory(m: dict, artifact: str) -> dict:
     """Weight bytes from the manifest; KV bytes per token against a bf16 cache, from the artifact's format."""
+    from quantpipe.runtime.model.compressed import kv_cache_kind
     from quantpipe.runtime.model.config import ModelConfig
     from quantpipe.runtime.model.kv_cache import bytes_per_token
 
     b = m["bytes"]
     config = json.loads((Path(artifact) / "config.json").read_text())
-    kv = (config.get("quantization_config") or {}).get("kv_cache_scheme")
-    kind = "auto" if not kv else ("int8" if kv.get("type", "int") == "int" else "fp8")
+    try:
+        kind, static = kv_cache_kind(config.get("quantization_config") or {})
+    except ValueError as e:
+        raise StageError(f"--candidate {artifact}: {e}") from None
     mc = ModelConfig.from_hf(config)
-    static = bool(kv) and not kv.get("dynamic")
     per_token = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16, kind, static=static)
     ratio = per_token / bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16, "auto")
     files = sum(f.stat().st_size for f in Path(artifact).glob("*.safetensors"))

@@ -68,6 +68,28 @@ def validate(qcfg: dict) -> None:
                              f"supported; 'weight' is")
 
 
+def kv_cache_kind(qcfg: dict) -> tuple[str, bool]:
+    """("auto" | "int8" | "fp8", static scales or not) of a quantization_config's
+    kv_cache_scheme, validated; what readers that need no tensors ask (the eval's memory figures)."""
+    kv = qcfg.get("kv_cache_scheme")
+    if not kv:
+        return "auto", False
+    kind = (kv.get("type", "int"), kv.get("num_bits"))
+    if kind not in (("int", 8), ("float", 8)):
+        raise ValueError(f"quantization_config.kv_cache_scheme: 8-bit int or float only, got {kind[0]} {kind[1]}")
+    name = "int8" if kind[0] == "int" else "fp8"
+    strategy = kv.get("strategy")
+    if kv.get("dynamic"):
+        if strategy != "token":
+            raise ValueError(f"quantization_config.kv_cache_scheme: a dynamic scheme must use strategy 'token' "
+                             f"(a scale per token and KV head), got {strategy!r}")
+        return name, False
+    if strategy not in ("channel", "attn_head", "tensor") or not kv.get("symmetric", True):
+        raise ValueError(f"quantization_config.kv_cache_scheme: a static scheme must be symmetric with strategy "
+                         f"'channel', 'attn_head' or 'tensor', got {strategy!r}, symmetric={kv.get('symmetric')}")
+    return name, True
+
+
 def kv_cache_format(qcfg: dict, state: dict[str, torch.Tensor], num_layers: int, kv_heads: int,
                     head_dim: int) -> tuple[str, list[tuple[torch.Tensor, torch.Tensor]] | None]:
     """The runtime's KV cache format for `kv_cache_scheme`: ("auto" | "int8" | "fp8", static scales).
@@ -78,22 +100,9 @@ def kv_cache_format(qcfg: dict, state: dict[str, torch.Tensor], num_layers: int,
     (`tensor`, as llm-compressor writes fp8), popped from `state` per layer as
     [KVH, 1] or [KVH, D].
     """
-    kv = qcfg.get("kv_cache_scheme")
-    if not kv:
-        return "auto", None
-    kind = (kv.get("type", "int"), kv.get("num_bits"))
-    if kind not in (("int", 8), ("float", 8)):
-        raise ValueError(f"quantization_config.kv_cache_scheme: 8-bit int or float only, got {kind[0]} {kind[1]}")
-    name = "int8" if kind[0] == "int" else "fp8"
-    strategy = kv.get("strategy")
-    if kv.get("dynamic"):
-        if strategy != "token":
-            raise ValueError(f"quantization_config.kv_cache_scheme: a dynamic scheme must use strategy 'token' "
-                             f"(a scale per token and KV head), got {strategy!r}")
+    name, static = kv_cache_kind(qcfg)
+    if not static:
         return name, None
-    if strategy not in ("channel", "attn_head", "tensor") or not kv.get("symmetric", True):
-        raise ValueError(f"quantization_config.kv_cache_scheme: a static scheme must be symmetric with strategy "
-                         f"'channel', 'attn_head' or 'tensor', got {strategy!r}, symmetric={kv.get('symmetric')}")
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
     scales = []
     for i in range(num_layers):
