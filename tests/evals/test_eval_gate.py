@@ -222,7 +222,7 @@ def test_cli_exit_codes_and_bad_input(report, tmp_path, capsys):
     assert main(["eval", "--candidate", str(tmp_path), "--calib", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "not a quantpipe artifact" in capsys.readouterr().err and not (tmp_path / "o").exists()
     assert main(["eval", "--candidate", paths["w8a16"], "--calib", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
-    assert "no heldout.jsonl" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    assert "not a calibration set (no manifest.json)" in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
 def test_resolve_takes_keys_with_dots():
