@@ -145,7 +145,7 @@ def test_publish_promote_serve_and_roll_back(server, artifact, tmp_path):
     # serve the champion straight from the registry
     port = _free_port()
     env = dict(os.environ, MLFLOW_TRACKING_URI=server.uri)
-    proc = subprocess.Popen([sys.executable, "-m", "quantpipe.runtime.server", "models:/smol@champion", "--host",
+    proc = subprocess.Popen([sys.executable, "-m", "quantpipe", "serve", "models:/smol@champion", "--host",
                              "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
