@@ -105,7 +105,10 @@ def plan_for(model: str | None, device) -> KernelPlan | None:
 
     if torch.device(device).type != "cuda":
         return None
-    path = Path(resolve_model_path(model))
+    try:
+        path = Path(resolve_model_path(model))
+    except (ValueError, OSError):
+        return None  # not a path this can read: the loader says what is wrong with it
     try:
         quantized = path.is_dir() and "quantization_config" in json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
