@@ -77,15 +77,6 @@ def _sub(pattern: re.Pattern, name: str, text: str, counts: dict[str, int]) -> s
     return text
 
 
-def _card(counts: dict[str, int]):
-    def replace(m: re.Match) -> str:
-        if _luhn(re.sub(r"\D", "", m.group(0))):
-            counts["CARD"] = counts.get("CARD", 0) + 1
-            return "<CARD>"
-        return m.group(0)  # a long number that is not a card number (an id, a timestamp)
-    return replace
-
-
 def _counted(name: str, counts: dict[str, int], keep):
     def replace(m: re.Match) -> str:
         if not keep(m.group(0)):
@@ -106,7 +97,8 @@ def _is_ipv6(candidate: str) -> bool:
 
 
 def _numbers(span: str, counts: dict[str, int]) -> str:
-    span = _CARD.sub(_card(counts), span)
+    # a long number that fails the Luhn check is an id or a timestamp, not a card
+    span = _CARD.sub(_counted("CARD", counts, lambda t: _luhn(re.sub(r"\D", "", t))), span)
     span = _sub(_IPV4, "IP", span, counts)
     span = _sub(_PHONE, "PHONE", span, counts)
     return _INTL_PHONE.sub(_counted("PHONE", counts, lambda t: 8 <= sum(c.isdigit() for c in t) <= 15), span)
