@@ -39,7 +39,7 @@ SMOKE_SCHEMES = {"W4A16-g32": (4, 32, None), "W8A16-channel": (8, None, None), "
 
 
 def random_weight(n: int, k: int, bits: int, group: int | None, act_bits: int | None, device):
-    from quantpipe.runtime.model.quantized import QuantWeight
+    from quantpipe.formats.artifact import QuantWeight
 
     lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
     q = torch.randint(lo, hi, (n, k), dtype=torch.int8, device=device)

@@ -156,7 +156,7 @@ def _stratum_of(candidate: dict, path: str) -> dict | None:
 def gate(report_dir: str, policy: str, candidate: str | None = None, artifact: str | None = None,
          out: str | None = None) -> tuple[int, dict]:
     """(exit code, verdict); writes verdict.json (into the report folder unless `out`)."""
-    from quantpipe.artifact import artifact_sha256
+    from quantpipe.formats.artifact import artifact_sha256
 
     rpath = Path(report_dir) / REPORT
     report = read_report(report_dir)

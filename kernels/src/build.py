@@ -16,8 +16,6 @@ shapes (the first rows and groups of each real weight) and nothing is written.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import shutil
 import tempfile
@@ -27,15 +25,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quantpipe.formats import artifact as artifact_format
+from quantpipe.formats.artifact import QuantWeight
 from quantpipe.formats.packing import pack_int32
 from quantpipe.kernels import int8_gemm, mixed_gemm, paged_attention, reference
 from quantpipe.kernels.configs import INTERPRET_CONFIGS, GemmConfig, gemm_configs
 from quantpipe.kernels.plan import CACHE_DIR, PLAN_FILE, PLAN_FORMAT, triton_version, weight_case
 from quantpipe.manifest import StageError, code_version, sha256_file, write_json
-from quantpipe.runtime.model import compressed
 from quantpipe.runtime.model.config import ModelConfig
 from quantpipe.runtime.model.kv_cache import make_kv_cache
-from quantpipe.runtime.model.quantized import QuantWeight
 
 # Bound on max |kernel - reference| / max |reference| per activation dtype: a few roundings
 # of the dtype (fp32 accumulation order; the bf16/fp16 output and the weights cast for tl.dot).
@@ -69,29 +67,24 @@ class Artifact:
 
 def read_artifact(path: str | Path) -> Artifact:
     """The artifact's matmul cases; a malformed one is refused naming the tensor."""
-    from safetensors.torch import load_file
-
     from quantpipe.runtime.model.loader import quantized_layers
 
     path = Path(path)
+    if not (path / "config.json").is_file():
+        raise StageError(f"ARTIFACT {path}: no config.json (not a model folder)")
     try:
-        raw = json.loads((path / "config.json").read_text())
-    except OSError as e:
-        raise StageError(f"ARTIFACT {path}: no readable config.json ({e.strerror})") from None
+        raw, state = artifact_format.load_checkpoint(path)
+    except ValueError as e:
+        raise StageError(f"ARTIFACT {path}: {e}") from None
     qcfg = raw.get("quantization_config")
     if not qcfg:
         raise StageError(f"ARTIFACT {path}: config.json has no quantization_config (not a quantized artifact)")
-    files = sorted(glob.glob(str(path / "*.safetensors")))
-    if not files:
-        raise StageError(f"ARTIFACT {path}: no *.safetensors files")
+    files = sorted(str(f) for f in path.glob("*.safetensors"))
     cfg = ModelConfig.from_hf(raw)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
     try:
         quant = quantized_layers(state, qcfg, cfg)
-        kv_dtype, kv_scales = compressed.kv_cache_format(qcfg, state, cfg.num_layers, cfg.num_kv_heads,
-                                                         cfg.head_dim)
+        kv_dtype, kv_scales = artifact_format.kv_cache_format(qcfg, state, cfg.num_layers, cfg.num_kv_heads,
+                                                              cfg.head_dim)
     except ValueError as e:
         raise StageError(f"ARTIFACT {path}: {e}") from None
     cases: dict[str, Case] = {}

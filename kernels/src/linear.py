@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quantpipe.formats.artifact import QuantWeight
 from quantpipe.formats.packing import pack_int32
 from quantpipe.kernels.configs import GemmConfig, bucket_for
 from quantpipe.kernels.int8_gemm import w8a8_gemm
 from quantpipe.kernels.mixed_gemm import mixed_gemm
-from quantpipe.runtime.model.quantized import QuantWeight
 
 
 class _TritonLinear(nn.Module):

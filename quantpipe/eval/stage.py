@@ -9,7 +9,6 @@ through a temporary folder, with the sha256 of every input.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -19,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantpipe.artifact import artifact_sha256, model_sha256, read_manifest
 from quantpipe.eval import generation, mc
 from quantpipe.eval.scorer import score_many
 from quantpipe.eval.stats import mean_with_se, quality_with_ci
 from quantpipe.eval.suite import EvalSuite
+from quantpipe.formats.artifact import artifact_sha256, model_sha256, read_manifest
 from quantpipe.formats.calib_set import CalibSet
 from quantpipe.formats.report import read_report
 from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output, write_json
@@ -86,13 +85,13 @@ def quality_section(scores, groups: dict[str, list[int]], q: dict) -> dict:
 
 def _memory(m: dict, artifact: str) -> dict:
     """Weight bytes from the manifest; KV bytes per token against a bf16 cache, from the artifact's format."""
-    from quantpipe.runtime.model.compressed import kv_cache_kind
+    from quantpipe.formats.artifact import kv_cache_kind, read_config
     from quantpipe.runtime.model.config import ModelConfig
     from quantpipe.runtime.model.kv_cache import bytes_per_token
 
     b = m["bytes"]
-    config = json.loads((Path(artifact) / "config.json").read_text())
     try:
+        config = read_config(artifact)
         kind, static = kv_cache_kind(config.get("quantization_config") or {})
     except ValueError as e:
         raise StageError(f"--candidate {artifact}: {e}") from None

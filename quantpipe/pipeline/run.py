@@ -92,7 +92,7 @@ class Run:
 def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
     """Exit code: 0 a candidate passed the whole gate (and was published unless publishing is
     off), 1 every candidate judged failed, 2 none passed and at least one could not be judged."""
-    from quantpipe.artifact import artifact_sha256, model_sha256
+    from quantpipe.formats.artifact import artifact_sha256, model_sha256
     from quantpipe.gate import DEFAULT_POLICY
     from quantpipe.runtime.model.loader import resolve_model_path
 

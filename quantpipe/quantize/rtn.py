@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantpipe.runtime.model.quantized import QuantWeight
+from quantpipe.formats.artifact import QuantWeight
 
 
 @dataclass(frozen=True)

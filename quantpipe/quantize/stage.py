@@ -21,9 +21,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantpipe.artifact import artifact_sha256, model_sha256
+from quantpipe.formats.artifact import (
+    QuantWeight,
+    kv_scale_tensors,
+    model_sha256,
+    quantized_tensors,
+    seal,
+    write_checkpoint,
+)
 from quantpipe.formats.calib_set import CalibSet
-from quantpipe.formats.packing import pack_int32
 from quantpipe.manifest import (
     MANIFEST_VERSION,
     StageError,
@@ -31,7 +37,6 @@ from quantpipe.manifest import (
     sha256_bytes,
     sha256_file,
     staged_output,
-    write_json,
 )
 from quantpipe.quantize import awq
 from quantpipe.quantize.config import QuantConfig
@@ -39,7 +44,6 @@ from quantpipe.quantize.gptq import HessianError, gptq
 from quantpipe.quantize.rtn import WeightScheme, rtn
 from quantpipe.runtime.model.export import export_tokenizer, hf_config, hf_state_dict
 from quantpipe.runtime.model.forward import SequencePass
-from quantpipe.runtime.model.quantized import QuantWeight
 
 log = logging.getLogger("quantpipe.quantize")
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -350,22 +354,13 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         sizes = [s if s is not None else qw.q.shape[0] for _, s in parts]
         for (hf_name, _), part in zip(parts, _split_rows(qw, sizes)):
             state.pop(hf_name + ".weight", None)
-            if w8a8:  # int-quantized: the int8 values as they are
-                state[hf_name + ".weight"] = part.q.contiguous()
-            else:
-                state[hf_name + ".weight_packed"] = pack_int32(part.q, sch.num_bits)
-                state[hf_name + ".weight_shape"] = torch.tensor(list(part.q.shape), dtype=torch.int64)
-            state[hf_name + ".weight_scale"] = part.scale.to(scale_dtype).contiguous()
-            if part.zero is not None:
-                state[hf_name + ".weight_zero_point"] = pack_int32(part.zero.to(torch.int8), sch.num_bits, dim=0)
+            state.update(quantized_tensors(hf_name, part, fmt, scale_dtype))
             layers_table[hf_name] = {"scheme": sch.describe(), "shape": list(part.q.shape),
                                      "dampening": damp_used.get(name)}
             if name in awq_found:
                 layers_table[hf_name]["awq"] = awq_found[name]
             hf_names_by_scheme.setdefault(sch, []).append(hf_name)
-    for i, pair in enumerate(kv_scales or []):
-        for t_name, scale in zip(("k_scale", "v_scale"), pair):
-            state[f"model.layers.{i}.self_attn.{t_name}"] = scale.float().contiguous()
+    state.update(kv_scale_tensors(kv_scales or []))
     act_args = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
                 "group_size": None, "observer": None} if w8a8 else None
 
@@ -395,10 +390,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     kept_bytes = sum(2 * net.get_submodule(n).weight.numel() for n in names if scheme_map[n] is None)
     quant_bytes, bf16_bytes = quant_bytes + kept_bytes, bf16_bytes + kept_bytes  # mixed: layers left in bf16
     with staged_output(out, overwrite=overwrite) as tmp:
-        from safetensors.torch import save_file
-
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        write_checkpoint(tmp, state, config)
         if tokenizer is not None:
             export_tokenizer(tokenizer, str(tmp))
         phases["write_s"] = time.perf_counter() - t
@@ -419,8 +411,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             "time_s": {k: round(v, 2) for k, v in phases.items()},
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         }
-        manifest["artifact_sha256"] = artifact_sha256(tmp)
-        write_json(tmp / "quantpipe.json", manifest)
+        manifest = seal(tmp, manifest)
     log.info("quantized %d linears (%s, %s) into %s in %.1fs", len(layers_table), manifest["weights"], cfg.method,
              out, time.perf_counter() - t_start)
     return Artifact(Path(out), manifest)

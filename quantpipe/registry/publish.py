@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from quantpipe.artifact import artifact_sha256, read_manifest
+from quantpipe.formats.artifact import artifact_sha256, read_manifest
 from quantpipe.formats.report import read_report, read_verdict
 from quantpipe.manifest import StageError, code_version, sha256_file
 
@@ -338,7 +338,7 @@ def source_model(uri: str, registry_uri: str | None = None) -> str:
     """The model a registered version was quantized from (models:/NAME@ALIAS or /VERSION), as
     a local path whose sha256 is the one its artifact records: the path its publisher
     recorded, else the default model. A clear error when neither is that model."""
-    from quantpipe.artifact import model_sha256
+    from quantpipe.formats.artifact import model_sha256
     from quantpipe.runtime.model.loader import resolve_model_path
 
     registry_uri = resolve_registry_uri(registry_uri)

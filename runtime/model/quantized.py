@@ -30,12 +30,12 @@ torch's CPU int kernels are fast only with bf16 activations: with float32 ones t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantpipe.formats.artifact import QuantWeight
 from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
 
 log = logging.getLogger("quantpipe.runtime")
@@ -77,39 +77,6 @@ def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     n, k = u.shape
     c = u.to(torch.uint8).reshape(n, k // 32, 2, 16)
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-@dataclass
-class QuantWeight:
-    """One Linear's weights on an integer grid: w ~ (q - zero) * scale per group along K."""
-
-    q: torch.Tensor  # int8 [N, K], values in [-2^(b-1), 2^(b-1) - 1]
-    scale: torch.Tensor  # [N, G]
-    zero: torch.Tensor | None  # [N, G] integer-valued, None when symmetric
-    num_bits: int
-    group_size: int | None  # None: per output channel
-    act_bits: int | None = None  # 8: activations quantized per token at run time (W8A8)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n, k = self.q.shape
-        gs = self.group_size or k
-        g = self.q.float().reshape(n, k // gs, gs)
-        if self.zero is not None:
-            g = g - self.zero.float().unsqueeze(-1)
-        return (g * self.scale.float().unsqueeze(-1)).reshape(n, k).to(dtype)
-
-    @staticmethod
-    def cat(parts: list[QuantWeight]) -> QuantWeight:
-        """Stack along the output dimension (q/k/v or gate/up fused into one matmul)."""
-        first = parts[0]
-        for p in parts[1:]:
-            if (p.num_bits, p.group_size, p.zero is None) != (first.num_bits, first.group_size, first.zero is None):
-                raise ValueError("fused projections (q/k/v or gate/up) must share one quantization scheme")
-        zero = None if first.zero is None else torch.cat([p.zero for p in parts], 0)
-        if any(p.act_bits != first.act_bits for p in parts):
-            raise ValueError("fused projections (q/k/v or gate/up) must share one activation scheme")
-        return QuantWeight(torch.cat([p.q for p in parts], 0), torch.cat([p.scale for p in parts], 0), zero,
-                           first.num_bits, first.group_size, first.act_bits)
 
 
 class Int8PackLinear(nn.Module):

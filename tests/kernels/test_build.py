@@ -163,8 +163,8 @@ def test_a_case_missing_from_the_plan_falls_back_and_says_so_once(tmp_path, capl
 
 
 def test_formats_without_a_kernel_are_named():
+    from quantpipe.formats.artifact import QuantWeight
     from quantpipe.kernels.plan import weight_case
-    from quantpipe.runtime.model.quantized import QuantWeight
 
     q = torch.zeros(64, 512, dtype=torch.int8)
     key, kernel, reason = weight_case(QuantWeight(q, torch.ones(64, 2), None, 4, 256))

@@ -49,7 +49,8 @@ def test_serve_help_lists_every_cpu_kernel_and_a_bad_name_is_a_usage_error():
 
 
 def test_a_turned_off_kernel_leaves_its_quantized_layers_to_torch():
-    from quantpipe.runtime.model.quantized import QuantWeight, swap_linears
+    from quantpipe.formats.artifact import QuantWeight
+    from quantpipe.runtime.model.quantized import swap_linears
 
     qw = QuantWeight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 8, None)
     model = nn.Sequential(nn.Linear(64, 8, bias=False))

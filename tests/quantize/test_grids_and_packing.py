@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantpipe.formats.artifact import QuantWeight
 from quantpipe.formats.packing import pack_int32, unpack_int32
 from quantpipe.quantize.gptq import gptq
 from quantpipe.quantize.rtn import WeightScheme, dequantize, qparams, rtn
-from quantpipe.runtime.model.quantized import QuantWeight
 
 
 @pytest.fixture(scope="module")

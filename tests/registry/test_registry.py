@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from quantpipe.artifact import artifact_sha256
+from quantpipe.formats.artifact import artifact_sha256
 from quantpipe.gate import DEFAULT_POLICY, gate
 from quantpipe.manifest import StageError, sha256_file
 from quantpipe.registry import RegistryError, promote, publish, resolve_model_uri, rollback
