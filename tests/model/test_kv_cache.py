@@ -76,23 +76,23 @@ def test_int8_engine_frees_every_block_hits_the_prefix_cache_and_flips_only_near
     eng.pool.check_invariants()
     assert sum(r.metrics.num_cached_tokens for r in batched) > 0
     assert sum(r.metrics.num_preemptions for r in batched) > 0
-    # Alone, each prompt is prefilled in one chunk and decoded without neighbours; in the
-    # batch it was chunked, preempted or padded among others. float32 K/V differ in their
-    # last bits between those shapes, and 8-bit rounding can turn such a difference into
-    # one step of the grid, so a greedy choice may flip, but only where the model is
-    # nearly tied between its top two tokens; anywhere else the outputs must agree. How many
-    # of the prompts meet such a tie depends on the CPU's float32 kernels (an AVX2 machine
-    # flipped at most 2 of these 8, an AVX-512 one 3, margins 0.02-0.09), so the margin is
-    # the check; a broken cache flips most prompts, at any margin.
-    alone = [llm_int8.generate([p], params)[0] for p in prompts[:8]]
-    flips = []
-    for p, a, b in zip(prompts, alone, batched):
-        got, ref = a.outputs[0].token_ids, b.outputs[0].token_ids
-        if got != ref:
-            at = next(j for j in range(len(got)) if got[j] != ref[j])
-            top = sequence_logits(eng.runner.model, p + got)[len(p) - 1 + at].topk(2).values
-            flips.append((top[0] - top[1]).item())
-    assert len(flips) < len(alone) / 2 and all(m < 0.1 for m in flips), flips
+    # Every token the batch chose is checked against the model run on that prompt and those
+    # tokens alone (teacher-forced, the same INT8 round trip of the cache, one chunk, no
+    # neighbours). In the batch each sequence was chunked, preempted or padded among others,
+    # and float32 K/V differ in their last bits between those shapes; 8-bit rounding can
+    # turn such a difference into one step of the grid, so a greedy choice may differ from
+    # the lone run's argmax, but only where the model is nearly tied between the two tokens.
+    # How many prompts meet such a tie depends on the CPU's float32 kernels (margins of
+    # 0.02-0.09 seen on AVX2 and AVX-512 machines), so the margin of every choice is the
+    # check, not a count of flips; a broken cache (a block mixed up, a stale prefix, a
+    # preempted sequence resumed wrongly) picks tokens far below the argmax.
+    shortfalls = []
+    for p, b in zip(prompts, batched):
+        got = b.outputs[0].token_ids
+        logits = sequence_logits(eng.runner.model, p + got)[len(p) - 1: len(p) - 1 + len(got)]
+        shortfalls += (logits.max(-1).values - logits.gather(1, torch.tensor(got).unsqueeze(1)).squeeze(1)).tolist()
+    assert len(shortfalls) == 24 * 12
+    assert max(shortfalls) < 0.1, sorted(shortfalls)[-5:]
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
