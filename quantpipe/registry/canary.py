@@ -29,11 +29,12 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 import quantpipe.evals
 from quantpipe.gate import OPS, Rule, parse_rules
 from quantpipe.manifest import StageError, read_yaml
+from quantpipe.runtime.server.errors import error_body, error_response
 
 log = logging.getLogger("quantpipe.canary")
 DEFAULT_CANARY_POLICY = Path(quantpipe.evals.__file__).resolve().parent / "gates" / "canary.yaml"
@@ -151,8 +152,8 @@ class Canary:
     async def forward(self, path: str, body: dict, headers) -> Response:
         asked = body.get("model")
         if asked not in (None, self.served_name):
-            return JSONResponse(_error(f"model {asked!r} is not served here; this endpoint serves "
-                                       f"{self.served_name!r}", "model_not_found"), status_code=404)
+            return error_response(404, f"model {asked!r} is not served here; this endpoint serves "
+                                       f"{self.served_name!r}", param="model", code="model_not_found")
         side = self.side_for(body, headers)
         body = {**body, "model": self.model_ids.get(side, asked)}
         url = self.urls[side] + path
@@ -167,10 +168,10 @@ class Canary:
         except httpx.TimeoutException:
             stats.timeouts += 1
             stats.errors += 1
-            return JSONResponse(_error(f"the {side} server timed out", "timeout"), status_code=504)
+            return error_response(504, f"the {side} server timed out", code="upstream_timeout")
         except httpx.HTTPError as e:
             stats.errors += 1
-            return JSONResponse(_error(f"the {side} server is unreachable: {e}", "upstream_error"), status_code=502)
+            return error_response(502, f"the {side} server is unreachable: {e}", code="upstream_unreachable")
         if r.status_code >= 500:
             stats.errors += 1
         elif r.status_code == 200:
@@ -208,10 +209,10 @@ class Canary:
             except httpx.TimeoutException:
                 stats.timeouts += 1
                 stats.errors += 1
-                yield "data: " + json.dumps(_error(f"the {side} server timed out", "timeout")) + "\n\n"
+                yield "data: " + json.dumps(error_body(504, f"the {side} server timed out", code="upstream_timeout")) + "\n\n"
             except httpx.HTTPError as e:
                 stats.errors += 1
-                yield "data: " + json.dumps(_error(f"the {side} server failed: {e}", "upstream_error")) + "\n\n"
+                yield "data: " + json.dumps(error_body(502, f"the {side} server failed: {e}", code="upstream_failed")) + "\n\n"
             finally:
                 await resp.aclose()
             if first is not None:
@@ -265,10 +266,6 @@ def _completion_text(doc: dict) -> str:
     return c.get("text") if "text" in c else (c.get("message") or {}).get("content") or ""
 
 
-def _error(message: str, kind: str) -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
-
-
 def router_app(canary: Canary) -> FastAPI:
     app = FastAPI(title="quantpipe canary")
 
@@ -278,10 +275,9 @@ def router_app(canary: Canary) -> FastAPI:
         try:
             body = await request.json()
         except ValueError:
-            return JSONResponse(_error("the request body is not JSON", "invalid_request_error"), status_code=400)
+            return error_response(400, "the request body is not JSON")
         if not isinstance(body, dict):
-            return JSONResponse(_error("the request body must be a JSON object", "invalid_request_error"),
-                                status_code=400)
+            return error_response(400, "the request body must be a JSON object")
         return await canary.forward(request.url.path, body, request.headers)
 
     @app.get("/v1/models")
