@@ -145,3 +145,29 @@ def test_the_check_catches_a_planted_upward_import_a_loop_and_a_private_name():
     assert any("private name _records" in p for p in violations(planted))
     planted = {**modules, "quantpipe.newthing": "x = 1\n"}
     assert "quantpipe.newthing: in no layer (add it to LAYERS)" in violations(planted)
+
+
+# The bottom layer reads and writes files: the standard library and the libraries of the
+# formats themselves (tensors, safetensors files, YAML), nothing heavier.
+FORMAT_DEPENDENCIES = {"torch", "safetensors", "yaml"}
+
+
+def third_party_imports(src: str) -> set[str]:
+    import sys
+
+    out = set()
+    for node in ast.walk(ast.parse(src)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        out |= {n.split(".")[0] for n in names}
+    return {n for n in out if n not in sys.stdlib_module_names and n not in ("quantpipe", "__future__")}
+
+
+def test_the_formats_layer_needs_only_torch_safetensors_and_yaml():
+    modules = sources()
+    formats = {m: src for m, src in modules.items() if layer_of(m) == FORMATS and not m.startswith("quantpipe.evals")}
+    assert "quantpipe.formats.artifact" in formats and "quantpipe.manifest" in formats
+    extra = {m: sorted(third_party_imports(src) - FORMAT_DEPENDENCIES) for m, src in formats.items()}
+    assert {m: e for m, e in extra.items() if e} == {}
+    assert third_party_imports("import numpy as np\nfrom transformers import AutoTokenizer\n") == \
+        {"numpy", "transformers"}
