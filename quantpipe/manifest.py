@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,12 +39,34 @@ def read_yaml(path: str | os.PathLike, option: str):
         raise StageError(f"{option} {path}: not valid YAML: {e}") from None
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+def file_digest(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """sha256 of a file's bytes, read now."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+_digests: dict[tuple, str] = {}
+RACY_S = 2.0  # a file changed this recently may change again within one timestamp tick: not remembered
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """sha256 of a file, read once per process while the file stays the same: its device,
+    inode, size, mtime and ctime (any write or rename of the file itself changes the
+    ctime), so a pipeline's stages name the same artifact, calibration set and model
+    without reading them again. As git does with its index, a file modified in the last
+    RACY_S seconds is read afresh each time: a write within one timestamp tick of the read
+    could leave its times unchanged (2 s covers the coarsest file systems' clocks)."""
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _digests:
+        return _digests[key]
+    digest = file_digest(path)
+    if time.time() - max(st.st_mtime, st.st_ctime) > RACY_S:
+        _digests[key] = digest
+    return digest
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -300,35 +299,16 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tens
 
 # -- identity ----------------------------------------------------------------------------
 
-_hashed: dict[tuple, str] = {}
-RACY_S = 2.0  # a file changed this recently may change again within one timestamp tick: not memoized
-
-
-def _file_sha256(f: Path) -> str:
-    """sha256 of a file, computed once per process while its size, inode, mtime and ctime
-    stay the same (a pipeline names the same artifact at every stage). As git does with
-    its index, a file modified in the last RACY_S seconds is hashed afresh each time: a
-    write within one timestamp tick of the hash could leave its times unchanged."""
-    st = f.stat()
-    key = (str(f.resolve()), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-    if key in _hashed:
-        return _hashed[key]
-    digest = sha256_file(f)
-    if time.time() - max(st.st_mtime, st.st_ctime) > RACY_S:
-        _hashed[key] = digest
-    return digest
-
-
 def artifact_sha256(path: str | os.PathLike) -> str:
     path = Path(path)
-    parts = [f"{f.name}:{_file_sha256(f)}" for f in sorted(path.iterdir())
+    parts = [f"{f.name}:{sha256_file(f)}" for f in sorted(path.iterdir())
              if f.is_file() and f.name not in NOT_MODEL_FILES]
     return sha256_bytes("\n".join(parts).encode())
 
 
 def model_sha256(path: str | os.PathLike) -> str:
     """A GGUF file's own hash, or a model folder's artifact hash."""
-    return _file_sha256(Path(path)) if os.path.isfile(path) else artifact_sha256(path)
+    return sha256_file(path) if os.path.isfile(path) else artifact_sha256(path)
 
 
 def read_manifest(path: str | os.PathLike, what: str = "artifact") -> dict:

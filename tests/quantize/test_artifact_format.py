@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from quantpipe import manifest
 from quantpipe.formats import artifact
 from quantpipe.formats.artifact import QuantWeight
 
@@ -68,11 +69,11 @@ def test_hash_is_fresh_after_any_change_and_memoized_otherwise(tmp_path, monkeyp
     for f in tmp_path.iterdir():
         os.utime(f, (old, old))
     # An hour on, every file is past the racy window and can be remembered.
-    monkeypatch.setattr(artifact.time, "time", lambda real=time.time: real() + 3600)
+    monkeypatch.setattr(manifest.time, "time", lambda real=time.time: real() + 3600)
     first = artifact.artifact_sha256(tmp_path)
     calls = []
-    real = artifact.sha256_file
-    monkeypatch.setattr(artifact, "sha256_file", lambda f: calls.append(f) or real(f))
+    real = manifest.file_digest
+    monkeypatch.setattr(manifest, "file_digest", lambda f: calls.append(f) or real(f))
     assert artifact.artifact_sha256(tmp_path) == first and not calls  # nothing re-read
     (tmp_path / "quantpipe.json").write_text('{"x": 1}')
     assert artifact.artifact_sha256(tmp_path) == first
@@ -81,16 +82,22 @@ def test_hash_is_fresh_after_any_change_and_memoized_otherwise(tmp_path, monkeyp
     save_file({"w": torch.ones(4)}, str(tmp_path / "model.safetensors"))
     os.utime(tmp_path / "model.safetensors", (old, old))
     assert artifact.artifact_sha256(tmp_path) != first and calls
+    # Renamed, the same files are the same files: nothing read again.
+    calls.clear()
+    moved = tmp_path.parent / (tmp_path.name + "-moved")
+    artifact.artifact_sha256(tmp_path)
+    tmp_path.rename(moved)
+    assert artifact.artifact_sha256(moved) != first and not calls
 
 
 def test_a_recently_written_file_is_hashed_each_time(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     artifact.artifact_sha256(tmp_path)
     calls = []
-    real = artifact.sha256_file
-    monkeypatch.setattr(artifact, "sha256_file", lambda f: calls.append(f) or real(f))
+    real = manifest.file_digest
+    monkeypatch.setattr(manifest, "file_digest", lambda f: calls.append(f) or real(f))
     artifact.artifact_sha256(tmp_path)
-    assert len(calls) == 1  # written under RACY_S ago: a write in the same timestamp tick could hide
+    assert len(calls) == 1  # written under manifest.RACY_S ago: a write in the same timestamp tick could hide
 
 
 def test_corrupt_checkpoint_files_are_named(tmp_path):
