@@ -20,7 +20,8 @@ FORMATS, MODEL, ENGINE, STAGES, REGISTRY, TOP = range(6)
 NAMES = ["formats", "kernels and runtime model", "engine and server", "stages", "registry", "pipeline and CLI"]
 # Longest matching prefix wins.
 LAYERS = {
-    "quantpipe.formats": FORMATS, "quantpipe.manifest": FORMATS, "quantpipe.runtime.model": MODEL, "quantpipe.runtime.utils": MODEL, "quantpipe.runtime.sampling_params": MODEL,
+    "quantpipe.formats": FORMATS, "quantpipe.manifest": FORMATS,
+    "quantpipe.runtime.model": MODEL, "quantpipe.runtime.utils": MODEL, "quantpipe.runtime.sampling_params": MODEL,
     "quantpipe.runtime.outputs": MODEL, "quantpipe.kernels": MODEL,
     "quantpipe.runtime": ENGINE, "quantpipe.runtime.engine": ENGINE,
     "quantpipe.runtime.model.runner": ENGINE,  # executes the scheduler's steps on the model "quantpipe.runtime.llm_engine": ENGINE,

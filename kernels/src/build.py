@@ -70,8 +70,6 @@ def read_artifact(path: str | Path) -> Artifact:
     from quantpipe.runtime.model.loader import quantized_layers
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise StageError(f"ARTIFACT {path}: no config.json (not a model folder)")
     try:
         raw, state = artifact_format.load_checkpoint(path)
     except ValueError as e:

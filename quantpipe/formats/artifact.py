@@ -269,6 +269,8 @@ def read_config(path: str | os.PathLike) -> dict:
     f = Path(path) / "config.json"
     try:
         config = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{f}: missing (not a model folder)") from None
     except OSError as e:
         raise ValueError(f"{f}: not readable ({e.strerror})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -101,6 +101,8 @@ def test_a_recently_written_file_is_hashed_each_time(tmp_path, monkeypatch):
 
 
 def test_corrupt_checkpoint_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"config\.json: missing \(not a model folder\)"):
+        artifact.load_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
         artifact.load_checkpoint(tmp_path)
