@@ -66,21 +66,31 @@ ROWS = 16  # positions per chunk of the float64 statistics: 16 x vocab fits in c
 
 
 @torch.inference_mode()
-def token_stats(base_logits: torch.Tensor, cand_logits: torch.Tensor, ids: list[int]) -> TokenStats:
-    """Per-token statistics from both models' float32 logits [T-1, V] for the text `ids`."""
+def token_stats_many(base_logits: torch.Tensor, cand_logits: list[torch.Tensor], ids: list[int]) -> list[TokenStats]:
+    """Per-token statistics of each candidate against the baseline, from float32 logits
+    [T-1, V] for the text `ids`. What depends on the baseline alone (its log-probabilities,
+    top-1, NLL) is computed once per chunk of rows and serves every candidate."""
     target = torch.tensor(ids[1:]).unsqueeze(1)
-    parts: dict[str, list] = defaultdict(list)
+    parts: list[dict[str, list]] = [defaultdict(list) for _ in cand_logits]
     for r in range(0, len(target), ROWS):
         lb = F.log_softmax(base_logits[r: r + ROWS].double(), -1)
-        lc = F.log_softmax(cand_logits[r: r + ROWS].double(), -1)
+        pb = lb.exp()
         t = target[r: r + ROWS]
         top1 = lb.argmax(-1)
-        parts["nll_base"].append(-lb.gather(1, t).squeeze(1))
-        parts["nll_cand"].append(-lc.gather(1, t).squeeze(1))
-        parts["kl"].append((lb.exp() * (lb - lc)).sum(-1).clamp(min=0))
-        parts["agree"].append((top1 == lc.argmax(-1)).double())
-        parts["top5_miss"].append((~(lc.topk(5, -1).indices == top1.unsqueeze(1)).any(-1)).double())
-    return TokenStats(**{k: torch.cat(v).numpy() for k, v in parts.items()})
+        nll_base = -lb.gather(1, t).squeeze(1)
+        for logits, out in zip(cand_logits, parts):
+            lc = F.log_softmax(logits[r: r + ROWS].double(), -1)
+            out["nll_base"].append(nll_base)
+            out["nll_cand"].append(-lc.gather(1, t).squeeze(1))
+            out["kl"].append((pb * (lb - lc)).sum(-1).clamp(min=0))
+            out["agree"].append((top1 == lc.argmax(-1)).double())
+            out["top5_miss"].append((~(lc.topk(5, -1).indices == top1.unsqueeze(1)).any(-1)).double())
+    return [TokenStats(**{k: torch.cat(v).numpy() for k, v in out.items()}) for out in parts]
+
+
+def token_stats(base_logits: torch.Tensor, cand_logits: torch.Tensor, ids: list[int]) -> TokenStats:
+    """Per-token statistics of one candidate (see token_stats_many)."""
+    return token_stats_many(base_logits, [cand_logits], ids)[0]
 
 
 def score_many(baseline, candidates: list, tokenizer, texts: list[str], strata: list[str] | None = None,
@@ -97,10 +107,11 @@ def score_many(baseline, candidates: list, tokenizer, texts: list[str], strata: 
             continue
         with torch.inference_mode():
             base_logits = sequence_logits(baseline, ids)[:-1]
-            for model, out in zip(candidates, outs):
-                cand_logits = base_logits if model is baseline else sequence_logits(model, ids)[:-1]
-                out.texts.append(token_stats(base_logits, cand_logits, ids))
-                out.strata.append(strata[i] if strata else "all")
+            cand_logits = [base_logits if model is baseline else sequence_logits(model, ids)[:-1]
+                           for model in candidates]
+        for out, stats in zip(outs, token_stats_many(base_logits, cand_logits, ids)):
+            out.texts.append(stats)
+            out.strata.append(strata[i] if strata else "all")
     return outs
 
 
