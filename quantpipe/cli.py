@@ -9,7 +9,7 @@ import click
 
 from quantpipe import __version__
 from quantpipe.calibrate.cli import calibrate_command
-from quantpipe.eval.cli import eval_command
+from quantpipe.eval.cli import eval_command, lm_eval_command
 from quantpipe.gate_cli import gate_command
 from quantpipe.kernels.cli import kernels_group
 from quantpipe.pipeline.cli import pipeline_command
@@ -35,6 +35,7 @@ def cli() -> None:
 cli.add_command(calibrate_command)
 cli.add_command(quantize_command)
 cli.add_command(eval_command)
+cli.add_command(lm_eval_command)
 cli.add_command(gate_command)
 cli.add_command(kernels_group)
 cli.add_command(pipeline_command)

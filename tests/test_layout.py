@@ -48,7 +48,7 @@ def test_hf_transformers_imports_from_the_repository_root():
 def _data_files() -> dict[str, str]:
     """Every data file the design's folders hold -> its path inside the wheel."""
     out = {}
-    for folder, pkg, patterns in (("evals", "quantpipe/evals", ("*.yaml", "*.json", "*.json.gz", "*.md")),
+    for folder, pkg, patterns in (("evals", "quantpipe/evals", ("*.yaml", "*_yaml", "*.json", "*.json.gz", "*.md")),
                                   ("runtime/model/csrc", "quantpipe/runtime/model/csrc", ("*.cpp",))):
         base = os.path.join(ROOT, folder)
         for dirpath, _, files in os.walk(base):
@@ -86,7 +86,7 @@ def test_cli_lists_the_commands():
     from quantpipe.cli import cli
 
     out = CliRunner().invoke(cli, ["--help"]).output
-    for command in ("calibrate", "quantize", "kernels", "eval", "gate", "publish", "serve", "generate", "bench",
+    for command in ("calibrate", "quantize", "kernels", "eval", "lm-eval", "gate", "publish", "serve", "generate", "bench",
                     "export-hf"):
         assert f"  {command} " in out, out
     bench = CliRunner().invoke(cli, ["bench", "--help"]).output

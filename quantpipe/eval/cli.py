@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from quantpipe.manifest import StageError
@@ -45,4 +47,27 @@ def eval_command(candidates, calib, baseline, suite, quality_only, latency_only,
             line += f", TPOT P50 x{lat['tpot_p50_ratio']['point']:.2f}"
         click.echo(line)
     click.echo(f"report -> {out}/report.json, {out}/report.html")
+    return 0
+
+
+@click.command("lm-eval", add_help_option=False,
+               context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+               help="lm-evaluation-harness's own command line (`lm-eval --help` lists its options) with the "
+                    "`quantpipe` model registered (--model quantpipe --model_args pretrained=ARTIFACT,dtype=float32) "
+                    "and the shipped tasks (quantpipe_bigbench_*) on its --include_path unless one is given. "
+                    "Stock `lm_eval` finds no model outside its own list, hence this entry point.")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def lm_eval_command(args) -> int:
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    import quantpipe.eval.lm_eval_model  # noqa: F401 - registers the `quantpipe` model
+    import quantpipe.evals
+
+    argv = list(args)
+    if not any(a == "--include_path" or a.startswith("--include_path=") for a in argv):
+        argv += ["--include_path", str(Path(quantpipe.evals.__file__).resolve().parent / "lm_eval_tasks")]
+    sys.argv = ["lm-eval", *argv]
+    cli_evaluate()
     return 0

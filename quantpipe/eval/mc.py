@@ -1,16 +1,14 @@
 """Multiple-choice accuracy by log-likelihood of each choice (lm-eval's `acc`/`acc_norm`).
 
-Tasks are BIG-bench `task.json` files (see evals/mc/README.md). The prompt is built the
-way BIG-bench does (task prefix, input prefix, input, output prefix) and each choice is
-the continuation " " + choice; both models see the same token ids, scored in float32 one
-sequence per forward call (batch-invariant, like the perplexity scorer).
+Tasks are BIG-bench `task.json` files (see evals/mc/README.md), read by
+`quantpipe.formats.bigbench`: the prompt built the way BIG-bench does and each choice the
+continuation " " + choice. Both models see the same token ids, scored in float32 one
+sequence per forward call (batch-invariant, like the perplexity scorer). The lm-eval task
+files in evals/lm_eval_tasks/ serve the same items to lm-evaluation-harness.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,16 +16,10 @@ import torch.nn.functional as F
 
 import quantpipe.evals
 from quantpipe.eval.stats import mean_with_se
+from quantpipe.formats.bigbench import Item, read_task
 from quantpipe.runtime.model.forward import continuation_logits
 
 TASK_DIR = Path(quantpipe.evals.__file__).resolve().parent / "mc" / "bigbench"
-
-
-@dataclass
-class Item:
-    context: str
-    choices: list[str]
-    correct: set[int]
 
 
 def load_task(name: str, limit: int | None = None) -> list[Item]:
@@ -35,29 +27,30 @@ def load_task(name: str, limit: int | None = None) -> list[Item]:
     if not path.exists():
         known = sorted(p.name.removesuffix(".json.gz") for p in TASK_DIR.glob("*.json.gz"))
         raise ValueError(f"mc task {name!r} is not shipped; known: {', '.join(known)}")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        task = json.load(f)
-    prefix = task.get("task_prefix", "")
-    q = task.get("example_input_prefix", "\nQ: ")
-    a = task.get("example_output_prefix", "\nA: ").rstrip(" ")
-    items = []
-    for ex in task["examples"][:limit]:
-        choices = list(ex["target_scores"])
-        correct = {i for i, c in enumerate(choices) if ex["target_scores"][c] == max(ex["target_scores"].values())}
-        items.append(Item((prefix + q + ex["input"] + a).lstrip("\n"), choices, correct))
-    return items
+    return read_task(path, limit)
 
 
 @torch.inference_mode()
-def choice_loglikelihoods(model, tokenizer, item: Item) -> list[float]:
-    """Summed log-probability of each choice's tokens after the context, the context computed once."""
-    ctx = tokenizer.encode(item.context)
-    conts = [tokenizer.encode(" " + c) for c in item.choices]
+def loglikelihoods(model, tokenizer, context: str, continuations: list[str]) -> list[tuple[float, bool]]:
+    """lm-eval's loglikelihood request for one context: (summed log-probability of the
+    continuation's tokens, whether greedy decoding would produce exactly them) for each
+    continuation, the context computed once. An empty context conditions on the BOS token
+    (EOS where the model has none), as lm-eval's own models do."""
+    ctx = tokenizer.encode(context)
+    if not ctx:
+        ctx = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_ids[0]]
+    conts = [tokenizer.encode(c, add_special_tokens=False) for c in continuations]
     out = []
     for lg, cont in zip(continuation_logits(model, ctx, conts), conts):
         logp = F.log_softmax(lg.double(), -1)
-        out.append(float(logp.gather(1, torch.tensor(cont).unsqueeze(1)).sum()))
+        target = torch.tensor(cont)
+        out.append((float(logp.gather(1, target.unsqueeze(1)).sum()), bool((logp.argmax(-1) == target).all())))
     return out
+
+
+def choice_loglikelihoods(model, tokenizer, item: Item) -> list[float]:
+    """Summed log-probability of each choice's tokens (" " + choice) after the item's context."""
+    return [ll for ll, _ in loglikelihoods(model, tokenizer, item.context, [" " + c for c in item.choices])]
 
 
 def evaluate(models: dict[str, object], tokenizer, tasks: list[str], limit: int | None = None) -> dict:
@@ -71,7 +64,7 @@ def evaluate(models: dict[str, object], tokenizer, tasks: list[str], limit: int 
             for it in items:
                 ll = choice_loglikelihoods(model, tokenizer, it)
                 best = max(range(len(ll)), key=ll.__getitem__)
-                norm = [v / max(1, len(c.encode())) for v, c in zip(ll, it.choices)]
+                norm = [v / max(1, len(c)) for v, c in zip(ll, it.choices)]  # by characters, as lm-eval
                 best_norm = max(range(len(norm)), key=norm.__getitem__)
                 acc.append(float(best in it.correct))
                 acc_norm.append(float(best_norm in it.correct))

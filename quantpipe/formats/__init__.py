@@ -12,6 +12,8 @@ reads and validates its files, and computes each file's hash once.
 - `request_log`: the versioned production request-log record, written by the server and
   read by calibrate.
 - `report`: eval reports and gate verdicts, read by gate, regression, publish and the pipeline.
+- `bigbench`: BIG-bench multiple-choice `task.json` files, read by the eval's multiple-choice
+  section and by the lm-eval task files that serve the same items.
 
 These modules import only the standard library, torch, safetensors and `quantpipe.manifest`; every
 stage above goes through them.
