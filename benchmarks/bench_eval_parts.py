@@ -1,6 +1,7 @@
 """What one model costs in an eval, part by part, on the default model in float32:
-the forward pass over 256-token texts, the per-token statistics, greedy generation
-(engine start included) and multiple choice.
+the forward pass over 256-token texts, the per-token statistics (one candidate at a time,
+and six candidates sharing the baseline's part, side by side), greedy generation (engine
+start included) and multiple choice.
 
     .venv/bin/python benchmarks/bench_eval_parts.py
 """
@@ -12,7 +13,7 @@ import time
 import torch
 
 from quantpipe.eval import generation, mc
-from quantpipe.eval.scorer import token_stats
+from quantpipe.eval.scorer import token_stats, token_stats_many
 from quantpipe.runtime.model.forward import sequence_logits
 from quantpipe.runtime.model.loader import load_model
 from quantpipe.runtime.workload.text import corpus_text
@@ -29,6 +30,18 @@ def main() -> None:
     for s, lg in zip(texts, logits):
         token_stats(lg, lg, s)
     print(f"statistics, one text: {(time.perf_counter() - t) / len(texts):.3f} s")
+    six = [[lg + 0.01 * k for k in range(6)] for lg in logits[:4]]
+    for _ in range(2):  # alternating, so both see the same machine state
+        t = time.perf_counter()
+        for s, lg, cands in zip(texts, logits, six):
+            [token_stats(lg, c, s) for c in cands]
+        alone = (time.perf_counter() - t) / (4 * 6)
+        t = time.perf_counter()
+        for s, lg, cands in zip(texts, logits, six):
+            token_stats_many(lg, cands, s)
+        shared = (time.perf_counter() - t) / (4 * 6)
+        print(f"statistics, one text, per candidate of six: {alone:.3f} s one at a time, {shared:.3f} s sharing "
+              f"the baseline's part")
     t = time.perf_counter()
     generation.greedy(None, [s[:100] for s in texts], 16)
     print(f"greedy generation, 16 prompts x 16 tokens (engine start included): {time.perf_counter() - t:.1f} s")
