@@ -20,7 +20,8 @@ from quantpipe.manifest import StageError, code_version, read_yaml, sha256_file
 
 OPS = {"<=": lambda v, t: v <= t, "<": lambda v, t: v < t, ">=": lambda v, t: v >= t, ">": lambda v, t: v > t}
 COMPARES = ("point", "ci_lower", "ci_upper")
-SECTIONS = {"quality": "quality", "generation": "quality", "mc": "quality", "memory": "any", "latency": "latency"}
+SECTIONS = {"quality": "quality", "generation": "quality", "mc": "quality", "lm_eval": "quality", "memory": "any",
+            "latency": "latency"}
 DEFAULT_POLICY = Path(quantpipe.evals.__file__).resolve().parent / "gates" / "default.yaml"
 
 

@@ -164,6 +164,15 @@ def report_html(report: dict, verdict: dict | None = None) -> str:
                      for t, v in c["mc"]["tasks"].items()]
             parts.append("<h3>Multiple choice (BIG-bench, acc)</h3>"
                          + html_table(mrows, ["task", "baseline", "candidate", "drop (points)", "items"]))
+        if c.get("lm_eval"):
+            lrows = [[t, f"{v['metric']} ({v['filter']})", format_ci(v["baseline"], "{:.3f}"),
+                      format_ci(v["candidate"], "{:.3f}"), format_ci(v.get("recovery"), "{:.3f}"),
+                      format_ci(v.get("flips_pct"), "{:.1f}"),
+                      "" if "flips" not in v else f"{v['flips']['to_wrong']} / {v['flips']['to_right']}", v["n"]]
+                     for t, v in c["lm_eval"].items()]
+            parts.append("<h3>lm-eval tasks</h3>" + html_table(lrows, [
+                "task", "metric", "baseline", "candidate", "recovery", "flips %", "right to wrong / wrong to right",
+                "items"]))
         lat = c.get("latency")
         if lat:
             workload = lat.get("workload") or {}

@@ -52,6 +52,17 @@ class QuantpipeLM(LM):
         self.max_length = int(max_length or cfg.max_position_embeddings)
         self._llm = None
 
+    @classmethod
+    def from_loaded(cls, model, tokenizer, pretrained: str | None, dtype: str = "float32") -> QuantpipeLM:
+        """The LM over a model the caller has already loaded (`quantpipe eval` scores the
+        models it holds); `pretrained` is what generation's engine loads, if a task generates."""
+        lm = cls.__new__(cls)
+        LM.__init__(lm)
+        lm.pretrained, lm.dtype, lm._device = pretrained or None, dtype, next(model.parameters()).device
+        lm.model, lm.tokenizer, lm._llm = model, tokenizer, None
+        lm.max_length = int(model.config.max_position_embeddings)
+        return lm
+
     @property
     def prefix_token_id(self) -> int:
         tok = self.tokenizer

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantpipe.eval import generation, mc
+from quantpipe.eval import generation, lm_eval_suite, mc
 from quantpipe.eval.scorer import score_many
 from quantpipe.eval.stats import mean_with_se, quality_with_ci
 from quantpipe.eval.suite import EvalSuite
@@ -144,6 +144,8 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
         base_gen = generation.greedy(baseline, prompts, g["max_tokens"]) if prompts else []
         tasks = suite.mc["tasks"]
         mc_base = mc.evaluate({"baseline": base_model}, tokenizer, tasks, suite.mc["limit"]) if tasks else {}
+        lm_tasks = suite.lm_eval["tasks"]
+        lm_base = lm_eval_suite.score_tasks(base_model, tokenizer, baseline, suite.lm_eval) if lm_tasks else {}
         # Every candidate is scored in one pass over the texts, so the baseline runs once per text.
         cand_models = [load_model(c, torch.float32)[0] for c in candidates]
         log.info("quality: %d candidate(s) against the baseline on %d held-out texts", len(candidates), len(texts))
@@ -162,6 +164,10 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
                 res = mc.evaluate({"candidate": cand_model}, tokenizer, tasks, suite.mc["limit"])
                 merged = {name: {**mc_base[name], **res[name]} for name in tasks}
                 entry["mc"] = mc.summarize(merged, "baseline", "candidate")
+            if lm_tasks:
+                entry["lm_eval"] = lm_eval_suite.compare(
+                    lm_base, lm_eval_suite.score_tasks(cand_model, tokenizer, c, suite.lm_eval),
+                    q["bootstrap"], q["seed"])
         del base_model, cand_models, cand_model, all_scores, scores, mc_base
         phases["quality_s"] = time.perf_counter() - t
     if scope in ("full", "latency"):

@@ -15,13 +15,16 @@ _DEFAULTS = {
     "quality": {"max_texts": 256, "max_tokens": 512, "bootstrap": 1000, "seed": 0},
     "generation": {"prompts": 64, "max_tokens": 32},
     "mc": {"tasks": [], "limit": 200},
+    # lm-evaluation-harness tasks (any the installed lm-eval knows, plus the shipped
+    # quantpipe_bigbench_*), scored for baseline and candidates on identical requests.
+    "lm_eval": {"tasks": [], "num_fewshot": 0, "limit": None},
     "latency": {"repeats": 2, "requests": 32, "concurrency": 8, "max_output_tokens": 64, "rate": None},
 }
 _LIMITS = {  # (section, key): (smallest, largest)
     ("quality", "max_texts"): (1, 100_000), ("quality", "max_tokens"): (2, 8192),
     ("quality", "bootstrap"): (100, 100_000), ("quality", "seed"): (0, 2**32 - 1),
     ("generation", "prompts"): (0, 10_000), ("generation", "max_tokens"): (1, 1024),
-    ("mc", "limit"): (1, 100_000),
+    ("mc", "limit"): (1, 100_000), ("lm_eval", "num_fewshot"): (0, 64),
     ("latency", "repeats"): (1, 20), ("latency", "requests"): (1, 10_000),
     ("latency", "concurrency"): (1, 1024), ("latency", "max_output_tokens"): (1, 4096),
 }
@@ -32,6 +35,7 @@ class EvalSuite:
     quality: dict = field(default_factory=lambda: dict(_DEFAULTS["quality"]))
     generation: dict = field(default_factory=lambda: dict(_DEFAULTS["generation"]))
     mc: dict = field(default_factory=lambda: dict(_DEFAULTS["mc"]))
+    lm_eval: dict = field(default_factory=lambda: dict(_DEFAULTS["lm_eval"]))
     latency: dict = field(default_factory=lambda: dict(_DEFAULTS["latency"]))
     path: str | None = None
 
@@ -62,9 +66,16 @@ class EvalSuite:
         rate = self.latency["rate"]
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1000):
             raise StageError(f"suite latency.rate must be requests per second in (0, 1000], or null; got {rate!r}")
-        tasks = self.mc["tasks"]
-        if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
-            raise StageError(f"suite mc.tasks must be a list of task names; got {tasks!r}")
+        for section in ("mc", "lm_eval"):
+            tasks = getattr(self, section)["tasks"]
+            if not isinstance(tasks, list) or not all(isinstance(t, str) and t for t in tasks):
+                raise StageError(f"suite {section}.tasks must be a list of task names; got {tasks!r}")
+        if len(set(self.lm_eval["tasks"])) != len(self.lm_eval["tasks"]):
+            raise StageError(f"suite lm_eval.tasks names a task twice: {self.lm_eval['tasks']!r}")
+        limit = self.lm_eval["limit"]
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100_000):
+            raise StageError(f"suite lm_eval.limit must be an integer in [1, 100000] (items per task), or null "
+                             f"for all; got {limit!r}")
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "path"}

@@ -85,7 +85,7 @@ def flatten_metrics(entry: dict) -> dict[str, float]:
         elif isinstance(obj, (int, float)) and not isinstance(obj, bool) and obj == obj:
             out[_metric_name(path.replace(".point", ""))] = float(obj)
 
-    for section in ("quality", "generation", "mc", "memory", "latency"):
+    for section in ("quality", "generation", "mc", "lm_eval", "memory", "latency"):
         if section in entry:
             walk(entry[section], section)
     return out

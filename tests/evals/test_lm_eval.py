@@ -107,3 +107,75 @@ def test_a_bad_task_file_is_named(tmp_path):
         read_task(tmp_path / "gen.json.gz")
     (first,) = read_task(tmp_path / "gen.json.gz", limit=1)
     assert first.context == "Q: 2+2?\nA:" and first.choices == ["4", "5"] and first.correct == {0}
+
+
+def _items(values, requests=None):
+    return {"metric": "acc", "filter": "none",
+            "items": [{"doc_id": i, "value": float(v), "request": (requests or {}).get(i, f"q{i}")}
+                      for i, v in enumerate(values)]}
+
+
+def test_recovery_and_flips_are_counted_per_item_with_paired_intervals():
+    from quantpipe.eval.lm_eval_suite import compare
+    from quantpipe.manifest import StageError
+
+    base = {"t": _items([1, 1, 0, 0, 1, 1, 0, 1])}
+    cand = {"t": _items([1, 0, 1, 0, 1, 0, 0, 1])}
+    (got,) = compare(base, cand, 400, 0).values()
+    assert got["n"] == 8 and got["flips"] == {"to_wrong": 2, "to_right": 1}
+    assert got["flips_pct"]["point"] == 100 * 3 / 8 and got["recovery"]["point"] == 0.5 / 0.625
+    for m in ("flips_pct", "recovery"):
+        assert got[m]["ci_lower"] <= got[m]["point"] <= got[m]["ci_upper"] and got[m]["ci_lower"] < got[m]["ci_upper"]
+    assert got["baseline"]["point"] == 0.625 and got["candidate"]["point"] == 0.5
+    same = compare(base, base, 400, 0)["t"]
+    assert same["flips_pct"] == {"point": 0.0, "ci_lower": 0.0, "ci_upper": 0.0} and same["recovery"]["point"] == 1
+    # A real-valued metric has a recovery and no flips; a baseline at 0 has no recovery.
+    graded = compare({"t": _items([0.5, 1.0])}, {"t": _items([0.25, 1.0])}, 400, 0)["t"]
+    assert "flips_pct" not in graded and graded["recovery"]["point"] == 1.25 / 1.5
+    assert "recovery" not in compare({"t": _items([0, 0])}, {"t": _items([1, 0])}, 400, 0)["t"]
+    with pytest.raises(StageError, match="not sent identical requests"):
+        compare(base, {"t": _items([1] * 8, {3: "another prompt"})}, 400, 0)
+
+
+@pytest.mark.slow
+def test_eval_reports_lm_eval_tasks_and_the_gate_judges_them(w8a16_artifact, sample_set, tmp_path):
+    from quantpipe.eval.stage import evaluate
+    from quantpipe.eval.suite import EvalSuite
+    from quantpipe.gate import gate
+
+    task = f"quantpipe_bigbench_{TASK}"
+    (tmp_path / "suite.yaml").write_text(
+        "quality: {max_texts: 4, max_tokens: 32, bootstrap: 200}\ngeneration: {prompts: 0}\n"
+        f"mc: {{tasks: [{TASK}], limit: 16}}\nlm_eval: {{tasks: [{task}], limit: 16}}\n")
+    rep = evaluate([w8a16_artifact], sample_set, str(tmp_path / "r"), suite=EvalSuite.load(str(tmp_path / "suite.yaml")),
+                   scope="quality")
+    (c,) = rep["candidates"]
+    got, mc_task = c["lm_eval"][task], c["mc"]["tasks"][TASK]
+    # The same 16 items through lm-eval and through the eval's own multiple-choice section.
+    assert got["n"] == 16 and got["metric"] == "acc"
+    assert got["baseline"]["point"] == mc_task["acc_baseline"]["point"]
+    assert got["candidate"]["point"] == mc_task["acc_candidate"]["point"]
+    assert 100 * (got["flips"]["to_wrong"] - got["flips"]["to_right"]) / 16 == pytest.approx(
+        mc_task["accuracy_drop_points"]["point"])
+    assert "lm-eval tasks" in (tmp_path / "r" / "report.html").read_text()
+    policy = tmp_path / "p.yaml"
+    policy.write_text(f"rules:\n- {{metric: lm_eval.{task}.flips_pct, compare: ci_upper, op: '<=', threshold: 100}}\n"
+                      f"- {{metric: lm_eval.{task}.recovery, compare: ci_lower, op: '>=', threshold: 0}}\n")
+    code, doc = gate(str(tmp_path / "r"), str(policy), out=str(tmp_path / "v.json"))
+    assert code == 0 and [r["result"] for r in doc["rules"]] == ["pass", "pass"], doc["rules"]
+    policy.write_text("rules:\n- {metric: lm_eval.no_such_task.flips_pct, compare: ci_upper, op: '<=', threshold: 5}\n")
+    assert gate(str(tmp_path / "r"), str(policy), out=str(tmp_path / "v2.json"))[0] == 2  # missing: cannot judge
+
+
+def test_suite_lm_eval_section_is_validated(tmp_path):
+    from quantpipe.eval.suite import EvalSuite
+    from quantpipe.manifest import StageError
+
+    for body, message in (("lm_eval: {tasks: quantpipe_bigbench_navigate}", "lm_eval.tasks must be a list"),
+                          ("lm_eval: {tasks: [a, a]}", "names a task twice"),
+                          ("lm_eval: {tasks: [a], limit: 0}", r"lm_eval.limit must be an integer in \[1, 100000\]"),
+                          ("lm_eval: {tasks: [a], num_fewshot: -1}", r"lm_eval.num_fewshot must be an integer"),
+                          ("lm_eval: {tasks: [a], shots: 5}", r"lm_eval takes \['limit', 'num_fewshot', 'tasks'\]")):
+        (tmp_path / "s.yaml").write_text(body + "\n")
+        with pytest.raises(StageError, match=message):
+            EvalSuite.load(str(tmp_path / "s.yaml"))

@@ -1,0 +1,82 @@
+"""A suite's lm-evaluation-harness tasks (`lm_eval: {tasks, num_fewshot, limit}`): each
+model scored by real lm-eval through the runtime, the per-item results kept, and each
+candidate compared with the baseline on the identical requests: recovery (candidate /
+baseline of the task's first metric) and flips (items whose correctness changed, in both
+directions), each with a paired bootstrap 95% CI over items. Gate rules name them as
+`lm_eval.TASK.recovery` and `lm_eval.TASK.flips_pct`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+import quantpipe.evals
+from quantpipe.eval.stats import mean_with_se
+from quantpipe.manifest import StageError
+
+TASKS_DIR = Path(quantpipe.evals.__file__).resolve().parent / "lm_eval_tasks"
+log = logging.getLogger("quantpipe.eval")
+
+
+def score_tasks(model, tokenizer, pretrained: str | None, section: dict) -> dict[str, dict]:
+    """{task: {metric, filter, items: [{doc_id, value, request}]}} for one loaded model."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from quantpipe.eval.lm_eval_model import QuantpipeLM
+
+    lm = QuantpipeLM.from_loaded(model, tokenizer, pretrained)
+    try:
+        res = simple_evaluate(model=lm, tasks=list(section["tasks"]), num_fewshot=section["num_fewshot"],
+                              limit=section["limit"], log_samples=True, bootstrap_iters=0,
+                              task_manager=TaskManager(include_path=str(TASKS_DIR)), verbosity="WARNING")
+    except (KeyError, ValueError) as e:  # lm-eval's words for an unknown task or a bad argument
+        raise StageError(f"suite lm_eval: {e}") from None
+    out = {}
+    for task in section["tasks"]:
+        samples = res["samples"].get(task)
+        if not samples:
+            raise StageError(f"suite lm_eval.tasks: {task!r} produced no scored items (a group name? name its tasks)")
+        metric = res["configs"][task]["metric_list"][0]["metric"]
+        filt = samples[0]["filter"]
+        items = sorted(({"doc_id": s["doc_id"], "value": float(s[metric]), "request": repr(s["arguments"])}
+                        for s in samples if s["filter"] == filt), key=lambda r: r["doc_id"])
+        out[task] = {"metric": metric, "filter": filt, "items": items}
+    return out
+
+
+def _interval(values: np.ndarray, point: float) -> dict:
+    lo, hi = np.percentile(values, [2.5, 97.5])
+    return {"point": point, "ci_lower": float(lo), "ci_upper": float(hi)}
+
+
+def compare(base: dict, cand: dict, replicates: int, seed: int) -> dict[str, dict]:
+    """Per task: both models' metric (mean, lm-eval style standard error), recovery and flips with CIs."""
+    out = {}
+    for task, b in base.items():
+        c = cand[task]
+        if [r["request"] for r in b["items"]] != [r["request"] for r in c["items"]]:
+            raise StageError(f"lm_eval task {task}: baseline and candidate were not sent identical requests")
+        bv = np.array([r["value"] for r in b["items"]])
+        cv = np.array([r["value"] for r in c["items"]])
+        n = len(bv)
+        rng = np.random.default_rng(seed)
+        counts = rng.multinomial(n, np.full(n, 1.0 / n), size=replicates).astype(np.float64)
+        b_rep, c_rep = counts @ bv / n, counts @ cv / n
+        entry = {"metric": b["metric"], "filter": b["filter"], "n": n,
+                 "baseline": mean_with_se(bv.tolist()), "candidate": mean_with_se(cv.tolist())}
+        if bv.mean() > 0:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(b_rep > 0, c_rep / np.where(b_rep > 0, b_rep, 1), np.nan)
+            entry["recovery"] = _interval(ratio[~np.isnan(ratio)], float(cv.mean() / bv.mean()))
+        binary = set(np.unique(np.concatenate([bv, cv]))) <= {0.0, 1.0}
+        if binary:  # correctness per item: flips in both directions
+            flipped = (bv != cv).astype(np.float64)
+            entry["flips"] = {"to_wrong": int(((bv == 1) & (cv == 0)).sum()),
+                              "to_right": int(((bv == 0) & (cv == 1)).sum())}
+            entry["flips_pct"] = _interval(100 * (counts @ flipped) / n, float(100 * flipped.mean()))
+        out[task] = entry
+    return out
