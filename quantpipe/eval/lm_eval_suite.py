@@ -32,7 +32,8 @@ def score_tasks(model, tokenizer, pretrained: str | None, section: dict) -> dict
     try:
         res = simple_evaluate(model=lm, tasks=list(section["tasks"]), num_fewshot=section["num_fewshot"],
                               limit=section["limit"], log_samples=True, bootstrap_iters=0,
-                              task_manager=TaskManager(include_path=str(TASKS_DIR)), verbosity="WARNING")
+                              task_manager=TaskManager(include_path=[str(TASKS_DIR)] + (
+                                  [section["include_path"]] if section.get("include_path") else [])))
     except (KeyError, ValueError) as e:  # lm-eval's words for an unknown task or a bad argument
         raise StageError(f"suite lm_eval: {e}") from None
     out = {}

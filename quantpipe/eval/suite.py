@@ -17,7 +17,8 @@ _DEFAULTS = {
     "mc": {"tasks": [], "limit": 200},
     # lm-evaluation-harness tasks (any the installed lm-eval knows, plus the shipped
     # quantpipe_bigbench_*), scored for baseline and candidates on identical requests.
-    "lm_eval": {"tasks": [], "num_fewshot": 0, "limit": None},
+    # include_path: a folder of the team's own lm-eval task YAMLs (relative to the suite file).
+    "lm_eval": {"tasks": [], "num_fewshot": 0, "limit": None, "include_path": None},
     "latency": {"repeats": 2, "requests": 32, "concurrency": 8, "max_output_tokens": 64, "rate": None},
 }
 _LIMITS = {  # (section, key): (smallest, largest)
@@ -54,6 +55,13 @@ class EvalSuite:
             if not isinstance(given, dict) or set(given) - set(defaults):
                 raise StageError(f"--suite {path}: {name} takes {sorted(defaults)}; got {given!r}")
             sections[name] = {**defaults, **given}
+        include = sections["lm_eval"]["include_path"]
+        if isinstance(include, str) and include:
+            folder = Path(path).parent / include
+            if not folder.is_dir():
+                raise StageError(f"--suite {path}: lm_eval.include_path {include!r} is not a folder "
+                                 f"(relative paths are read from the suite file's folder)")
+            sections["lm_eval"]["include_path"] = str(folder.resolve())
         suite = cls(**sections, path=path)
         suite.validate()
         return suite
@@ -72,6 +80,10 @@ class EvalSuite:
                 raise StageError(f"suite {section}.tasks must be a list of task names; got {tasks!r}")
         if len(set(self.lm_eval["tasks"])) != len(self.lm_eval["tasks"]):
             raise StageError(f"suite lm_eval.tasks names a task twice: {self.lm_eval['tasks']!r}")
+        include = self.lm_eval["include_path"]
+        if include is not None and not (isinstance(include, str) and include):
+            raise StageError(f"suite lm_eval.include_path must be a folder of lm-eval task YAMLs, or null; "
+                             f"got {include!r}")
         limit = self.lm_eval["limit"]
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100_000):
             raise StageError(f"suite lm_eval.limit must be an integer in [1, 100000] (items per task), or null "

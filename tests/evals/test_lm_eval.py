@@ -175,7 +175,38 @@ def test_suite_lm_eval_section_is_validated(tmp_path):
                           ("lm_eval: {tasks: [a, a]}", "names a task twice"),
                           ("lm_eval: {tasks: [a], limit: 0}", r"lm_eval.limit must be an integer in \[1, 100000\]"),
                           ("lm_eval: {tasks: [a], num_fewshot: -1}", r"lm_eval.num_fewshot must be an integer"),
-                          ("lm_eval: {tasks: [a], shots: 5}", r"lm_eval takes \['limit', 'num_fewshot', 'tasks'\]")):
+                          ("lm_eval: {tasks: [a], shots: 5}",
+                           r"lm_eval takes \[.include_path., .limit., .num_fewshot., .tasks.\]"),
+                          ("lm_eval: {tasks: [a], include_path: nowhere}",
+                           "lm_eval.include_path .nowhere. is not a folder")):
         (tmp_path / "s.yaml").write_text(body + "\n")
         with pytest.raises(StageError, match=message):
             EvalSuite.load(str(tmp_path / "s.yaml"))
+
+
+def test_a_suite_reaches_a_teams_own_task_through_include_path(tmp_path):
+    """A team's task over its own local data (lm-eval's `dataset_path: json`), named by a
+    suite whose include_path is relative to the suite file."""
+    from quantpipe.eval.lm_eval_suite import score_tasks
+    from quantpipe.eval.suite import EvalSuite
+    from quantpipe.runtime.model.loader import load_model
+
+    tasks = tmp_path / "our-tasks"
+    tasks.mkdir()
+    rows = [{"q": "The capital of France is", "choices": [" Paris", " a banana"], "gold": 0},
+            {"q": "Two plus two equals", "choices": [" four", " purple"], "gold": 0}]
+    (tasks / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / "ours.yaml").write_text(
+        "task: our_capitals\ndataset_path: json\n"
+        f"dataset_kwargs: {{data_files: {{test: {tasks / 'items.jsonl'}}}}}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: gold\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n")
+    (tmp_path / "suite.yaml").write_text("lm_eval: {tasks: [our_capitals], include_path: our-tasks}\n")
+    suite = EvalSuite.load(str(tmp_path / "suite.yaml"))
+    assert suite.lm_eval["include_path"] == str(tasks.resolve())
+    model, _, tok = load_model(None, torch.float32)
+    got = score_tasks(model, tok, None, suite.lm_eval)["our_capitals"]
+    assert got["metric"] == "acc" and [r["doc_id"] for r in got["items"]] == [0, 1]
+    want = [float(max(range(2), key=lambda i: mc.loglikelihoods(model, tok, r["q"], r["choices"])[i][0]) == 0)
+            for r in rows]
+    assert [r["value"] for r in got["items"]] == want
