@@ -8,6 +8,7 @@ directions), each with a paired bootstrap 95% CI over items. Gate rules name the
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -21,10 +22,18 @@ TASKS_DIR = Path(quantpipe.evals.__file__).resolve().parent / "lm_eval_tasks"
 log = logging.getLogger("quantpipe.eval")
 
 
+@functools.lru_cache(maxsize=4)
+def task_manager(include_path: str | None):
+    """lm-eval's index of its own tasks, the shipped ones and `include_path`'s: built once per
+    process (it reads about 15,000 task files, seconds each time), shared by every model scored."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[str(TASKS_DIR)] + ([include_path] if include_path else []))
+
+
 def score_tasks(model, tokenizer, pretrained: str | None, section: dict) -> dict[str, dict]:
     """{task: {metric, filter, items: [{doc_id, value, request}]}} for one loaded model."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     from quantpipe.eval.lm_eval_model import QuantpipeLM
 
@@ -32,8 +41,7 @@ def score_tasks(model, tokenizer, pretrained: str | None, section: dict) -> dict
     try:
         res = simple_evaluate(model=lm, tasks=list(section["tasks"]), num_fewshot=section["num_fewshot"],
                               limit=section["limit"], log_samples=True, bootstrap_iters=0,
-                              task_manager=TaskManager(include_path=[str(TASKS_DIR)] + (
-                                  [section["include_path"]] if section.get("include_path") else [])))
+                              task_manager=task_manager(section.get("include_path")))
     except (KeyError, ValueError) as e:  # lm-eval's words for an unknown task or a bad argument
         raise StageError(f"suite lm_eval: {e}") from None
     out = {}
