@@ -160,10 +160,14 @@ def report_html(report: dict, verdict: dict | None = None) -> str:
             parts.append("<h3>Per-token KL</h3>" + _histogram(q["kl_histogram"]))
         if c.get("mc"):
             mrows = [[t, format_ci(v["acc_baseline"], "{:.3f}"), format_ci(v["acc_candidate"], "{:.3f}"),
-                      format_ci(v["accuracy_drop_points"], "{:+.1f}"), v["accuracy_drop_points"]["n"]]
+                      format_ci(v["accuracy_drop_points"], "{:+.1f}"), format_ci(v.get("recovery"), "{:.3f}"),
+                      format_ci(v.get("flips_pct"), "{:.1f}"),
+                      "" if "flips" not in v else f"{v['flips']['to_wrong']} / {v['flips']['to_right']}",
+                      v["accuracy_drop_points"]["n"]]
                      for t, v in c["mc"]["tasks"].items()]
-            parts.append("<h3>Multiple choice (BIG-bench, acc)</h3>"
-                         + html_table(mrows, ["task", "baseline", "candidate", "drop (points)", "items"]))
+            parts.append("<h3>Multiple choice (BIG-bench, acc)</h3>" + html_table(mrows, [
+                "task", "baseline", "candidate", "drop (points)", "recovery", "flips %",
+                "right to wrong / wrong to right", "items"]))
         if c.get("lm_eval"):
             lrows = [[t, f"{v['metric']} ({v['filter']})", format_ci(v["baseline"], "{:.3f}"),
                       format_ci(v["candidate"], "{:.3f}"), format_ci(v.get("recovery"), "{:.3f}"),

@@ -12,10 +12,8 @@ import functools
 import logging
 from pathlib import Path
 
-import numpy as np
-
 import quantpipe.evals
-from quantpipe.eval.stats import mean_with_se
+from quantpipe.eval.stats import mean_with_se, recovery_and_flips
 from quantpipe.manifest import StageError
 
 TASKS_DIR = Path(quantpipe.evals.__file__).resolve().parent / "lm_eval_tasks"
@@ -57,11 +55,6 @@ def score_tasks(model, tokenizer, pretrained: str | None, section: dict) -> dict
     return out
 
 
-def _interval(values: np.ndarray, point: float) -> dict:
-    lo, hi = np.percentile(values, [2.5, 97.5])
-    return {"point": point, "ci_lower": float(lo), "ci_upper": float(hi)}
-
-
 def compare(base: dict, cand: dict, replicates: int, seed: int) -> dict[str, dict]:
     """Per task: both models' metric (mean, lm-eval style standard error), recovery and flips with CIs."""
     out = {}
@@ -69,23 +62,8 @@ def compare(base: dict, cand: dict, replicates: int, seed: int) -> dict[str, dic
         c = cand[task]
         if [r["request"] for r in b["items"]] != [r["request"] for r in c["items"]]:
             raise StageError(f"lm_eval task {task}: baseline and candidate were not sent identical requests")
-        bv = np.array([r["value"] for r in b["items"]])
-        cv = np.array([r["value"] for r in c["items"]])
-        n = len(bv)
-        rng = np.random.default_rng(seed)
-        counts = rng.multinomial(n, np.full(n, 1.0 / n), size=replicates).astype(np.float64)
-        b_rep, c_rep = counts @ bv / n, counts @ cv / n
-        entry = {"metric": b["metric"], "filter": b["filter"], "n": n,
-                 "baseline": mean_with_se(bv.tolist()), "candidate": mean_with_se(cv.tolist())}
-        if bv.mean() > 0:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = np.where(b_rep > 0, c_rep / np.where(b_rep > 0, b_rep, 1), np.nan)
-            entry["recovery"] = _interval(ratio[~np.isnan(ratio)], float(cv.mean() / bv.mean()))
-        binary = set(np.unique(np.concatenate([bv, cv]))) <= {0.0, 1.0}
-        if binary:  # correctness per item: flips in both directions
-            flipped = (bv != cv).astype(np.float64)
-            entry["flips"] = {"to_wrong": int(((bv == 1) & (cv == 0)).sum()),
-                              "to_right": int(((bv == 0) & (cv == 1)).sum())}
-            entry["flips_pct"] = _interval(100 * (counts @ flipped) / n, float(100 * flipped.mean()))
-        out[task] = entry
+        bv, cv = [r["value"] for r in b["items"]], [r["value"] for r in c["items"]]
+        out[task] = {"metric": b["metric"], "filter": b["filter"], "n": len(bv),
+                     "baseline": mean_with_se(bv), "candidate": mean_with_se(cv),
+                     **recovery_and_flips(bv, cv, replicates, seed)}
     return out

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import quantpipe.evals
-from quantpipe.eval.stats import mean_with_se
+from quantpipe.eval.stats import mean_with_se, recovery_and_flips
 from quantpipe.formats.bigbench import Item, read_task
 from quantpipe.runtime.model.forward import continuation_logits
 
@@ -73,8 +73,9 @@ def evaluate(models: dict[str, object], tokenizer, tasks: list[str], limit: int 
     return out
 
 
-def summarize(results: dict, baseline: str, candidate: str) -> dict:
-    """Per task and averaged: accuracies with standard errors, and the paired drop in points."""
+def summarize(results: dict, baseline: str, candidate: str, replicates: int = 1000, seed: int = 0) -> dict:
+    """Per task and averaged: accuracies with standard errors, the paired drop in points, and
+    the recovery and flips of each task with paired bootstrap CIs."""
     tasks, drops = {}, []
     for name, per in results.items():
         b, c = per[baseline]["acc"], per[candidate]["acc"]
@@ -83,7 +84,8 @@ def summarize(results: dict, baseline: str, candidate: str) -> dict:
         tasks[name] = {"acc_baseline": mean_with_se(b), "acc_candidate": mean_with_se(c),
                        "acc_norm_baseline": mean_with_se(per[baseline]["acc_norm"]),
                        "acc_norm_candidate": mean_with_se(per[candidate]["acc_norm"]),
-                       "accuracy_drop_points": {"point": 100 * d["point"], "stderr": 100 * d["stderr"], "n": d["n"]}}
+                       "accuracy_drop_points": {"point": 100 * d["point"], "stderr": 100 * d["stderr"], "n": d["n"]},
+                       **recovery_and_flips(b, c, replicates, seed)}
         drops.append(diff)
     flat = [x for d in drops for x in d]
     overall = mean_with_se(flat)

@@ -163,7 +163,7 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
             if tasks:
                 res = mc.evaluate({"candidate": cand_model}, tokenizer, tasks, suite.mc["limit"])
                 merged = {name: {**mc_base[name], **res[name]} for name in tasks}
-                entry["mc"] = mc.summarize(merged, "baseline", "candidate")
+                entry["mc"] = mc.summarize(merged, "baseline", "candidate", q["bootstrap"], q["seed"])
             if lm_tasks:
                 entry["lm_eval"] = lm_eval_suite.compare(
                     lm_base, lm_eval_suite.score_tasks(cand_model, tokenizer, c, suite.lm_eval),

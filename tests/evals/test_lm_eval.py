@@ -157,6 +157,9 @@ def test_eval_reports_lm_eval_tasks_and_the_gate_judges_them(w8a16_artifact, sam
     assert got["candidate"]["point"] == mc_task["acc_candidate"]["point"]
     assert 100 * (got["flips"]["to_wrong"] - got["flips"]["to_right"]) / 16 == pytest.approx(
         mc_task["accuracy_drop_points"]["point"])
+    # The multiple-choice section reports the same recovery and flips (same items, same bootstrap).
+    for m in ("flips", "flips_pct", "recovery"):
+        assert mc_task[m] == got[m], m
     assert "lm-eval tasks" in (tmp_path / "r" / "report.html").read_text()
     policy = tmp_path / "p.yaml"
     policy.write_text(f"rules:\n- {{metric: lm_eval.{task}.flips_pct, compare: ci_upper, op: '<=', threshold: 100}}\n"
