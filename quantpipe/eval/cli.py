@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from quantpipe.manifest import StageError
@@ -63,11 +61,11 @@ def lm_eval_command(args) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     import quantpipe.eval.lm_eval_model  # noqa: F401 - registers the `quantpipe` model
-    import quantpipe.evals
+    from quantpipe.eval.lm_eval_suite import TASKS_DIR
 
     argv = list(args)
     if not any(a == "--include_path" or a.startswith("--include_path=") for a in argv):
-        argv += ["--include_path", str(Path(quantpipe.evals.__file__).resolve().parent / "lm_eval_tasks")]
+        argv += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm-eval", *argv]
     cli_evaluate()
     return 0

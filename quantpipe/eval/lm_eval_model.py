@@ -15,13 +15,11 @@ import logging
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from quantpipe.eval.mc import loglikelihoods
-from quantpipe.runtime.model.forward import sequence_logits
+from quantpipe.eval.mc import loglikelihoods, token_loglikelihoods
 from quantpipe.runtime.model.loader import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -44,13 +42,10 @@ class QuantpipeLM(LM):
         if dev.type == "cuda" and not torch.cuda.is_available():
             log.warning("--device %s: no CUDA device here, scoring on the CPU", device)
             dev = torch.device("cpu")
-        self.pretrained, self.dtype, self._device = pretrained or None, dtype, dev
-        self.model, cfg, self.tokenizer = load_model(self.pretrained, DTYPES[dtype], dev)
-        self.model.to(dev)
-        if self.tokenizer is None:
+        model, _, tokenizer = load_model(pretrained or None, DTYPES[dtype], dev)
+        if tokenizer is None:
             raise ValueError(f"--model_args pretrained={pretrained}: the model folder has no tokenizer.json")
-        self.max_length = int(max_length or cfg.max_position_embeddings)
-        self._llm = None
+        self._attach(model.to(dev), tokenizer, pretrained, dtype, max_length)
 
     @classmethod
     def from_loaded(cls, model, tokenizer, pretrained: str | None, dtype: str = "float32") -> QuantpipeLM:
@@ -58,10 +53,13 @@ class QuantpipeLM(LM):
         models it holds); `pretrained` is what generation's engine loads, if a task generates."""
         lm = cls.__new__(cls)
         LM.__init__(lm)
-        lm.pretrained, lm.dtype, lm._device = pretrained or None, dtype, next(model.parameters()).device
-        lm.model, lm.tokenizer, lm._llm = model, tokenizer, None
-        lm.max_length = int(model.config.max_position_embeddings)
+        lm._attach(model, tokenizer, pretrained, dtype, None)
         return lm
+
+    def _attach(self, model, tokenizer, pretrained: str | None, dtype: str, max_length: int | None) -> None:
+        self.model, self.tokenizer, self.pretrained, self.dtype = model, tokenizer, pretrained or None, dtype
+        self.max_length = int(max_length or model.config.max_position_embeddings)
+        self._llm = None
 
     @property
     def prefix_token_id(self) -> int:
@@ -81,21 +79,15 @@ class QuantpipeLM(LM):
                 self.cache_hook.add_partial("loglikelihood", requests[i].args, res)
         return out
 
-    @torch.inference_mode()
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
         for req in requests:
             (text,) = req.args
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            total = 0.0
             windows = get_rolling_token_windows(ids, prefix_token=self.prefix_token_id,
                                                 max_seq_len=self.max_length, context_len=1)
-            for context, target in map(make_disjoint_window, windows):
-                # The window's tokens in one pass; the last len(target) rows predict the target.
-                seq = context + target
-                logits = sequence_logits(self.model, seq[:-1])[-len(target):]
-                logp = F.log_softmax(logits.double(), -1)
-                total += float(logp.gather(1, torch.tensor(target).unsqueeze(1)).sum())
+            total = sum(token_loglikelihoods(self.model, context, [target])[0][0]
+                        for context, target in map(make_disjoint_window, windows))
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
         return out
@@ -104,7 +96,7 @@ class QuantpipeLM(LM):
         from quantpipe.runtime import LLM, SamplingParams
 
         if self._llm is None:
-            self._llm = LLM(model=self.pretrained, dtype=self.dtype, device=self._device.type)
+            self._llm = LLM(model=self.pretrained, dtype=self.dtype, device=next(self.model.parameters()).device.type)
         prompts, params = [], []
         for req in requests:
             context, kwargs = req.args

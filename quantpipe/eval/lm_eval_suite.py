@@ -9,7 +9,6 @@ directions), each with a paired bootstrap 95% CI over items. Gate rules name the
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import quantpipe.evals
@@ -17,7 +16,6 @@ from quantpipe.eval.stats import mean_with_se, recovery_and_flips
 from quantpipe.manifest import StageError
 
 TASKS_DIR = Path(quantpipe.evals.__file__).resolve().parent / "lm_eval_tasks"
-log = logging.getLogger("quantpipe.eval")
 
 
 @functools.lru_cache(maxsize=4)

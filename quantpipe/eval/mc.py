@@ -39,9 +39,14 @@ def loglikelihoods(model, tokenizer, context: str, continuations: list[str]) -> 
     ctx = tokenizer.encode(context)
     if not ctx:
         ctx = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_ids[0]]
-    conts = [tokenizer.encode(c, add_special_tokens=False) for c in continuations]
+    return token_loglikelihoods(model, ctx, [tokenizer.encode(c, add_special_tokens=False) for c in continuations])
+
+
+@torch.inference_mode()
+def token_loglikelihoods(model, context: list[int], continuations: list[list[int]]) -> list[tuple[float, bool]]:
+    """`loglikelihoods` on token ids (float64 log-softmax of the float32 logits)."""
     out = []
-    for lg, cont in zip(continuation_logits(model, ctx, conts), conts):
+    for lg, cont in zip(continuation_logits(model, context, continuations), continuations):
         logp = F.log_softmax(lg.double(), -1)
         target = torch.tensor(cont)
         out.append((float(logp.gather(1, target.unsqueeze(1)).sum()), bool((logp.argmax(-1) == target).all())))

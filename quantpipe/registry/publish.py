@@ -85,7 +85,9 @@ def flatten_metrics(entry: dict) -> dict[str, float]:
         elif isinstance(obj, (int, float)) and not isinstance(obj, bool) and obj == obj:
             out[_metric_name(path.replace(".point", ""))] = float(obj)
 
-    for section in ("quality", "generation", "mc", "lm_eval", "memory", "latency"):
+    from quantpipe.gate import SECTIONS  # the report's metric sections, as gate rules name them
+
+    for section in SECTIONS:
         if section in entry:
             walk(entry[section], section)
     return out
