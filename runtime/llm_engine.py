@@ -17,7 +17,7 @@ from quantpipe.runtime.model.cpu_kernels import CpuKernels
 from quantpipe.runtime.model.kv_cache import check_kv_cache_dtype
 from quantpipe.runtime.model.loader import load_model
 from quantpipe.runtime.model.runner import ModelRunner
-from quantpipe.runtime.model.sampler import SamplingRow, sample
+from quantpipe.runtime.model.sampler import SamplingRow, sample, token_logprobs
 from quantpipe.runtime.model.tokenizer import IncrementalDetokenizer
 from quantpipe.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from quantpipe.runtime.sampling_params import SamplingParams
@@ -100,6 +100,7 @@ class _Tracked:
     detok: IncrementalDetokenizer | None
     generator: torch.Generator | None
     logprobs: list[Logprob] | None
+    prompt_logprobs: list[Logprob | None] | None = None  # filled as the prompt's chunks run
     stop_reason: str | int | None = None
 
 
@@ -214,11 +215,14 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=priority,
         )
+        # Prompt logprobs need every prompt position computed: no cached prefix until they are in.
+        req.read_prefix_cache = params.prompt_logprobs is None or n == 1
         self.scheduler.add(req)  # raises if the KV cache could never hold it
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
         self.tracked[request_id] = _Tracked(
-            req, params, prompt_text, detok, generator, [] if params.logprobs is not None else None
+            req, params, prompt_text, detok, generator, [] if params.logprobs is not None else None,
+            [None] if params.prompt_logprobs is not None else None,
         )
         return request_id
 
@@ -250,7 +254,11 @@ class LLMEngine:
         sched = self.scheduler.schedule(now)
         if not sched:
             return []
-        sampled_chunks, logits = self.runner.execute(sched.chunks)
+        prompt_rows = [span for c in sched.chunks if (span := self._prompt_rows(c)) is not None]
+        sampled_chunks, logits = self.runner.execute(sched.chunks, prompt_rows)
+        if prompt_rows:
+            self._add_prompt_logprobs(prompt_rows, logits[len(sampled_chunks):])
+            logits = logits[:len(sampled_chunks)]
         self.scheduler.update_after_step(sched)
         self.stats["steps"] += 1
         self.stats["batched_tokens"] += sched.num_batched_tokens
@@ -269,6 +277,27 @@ class LLMEngine:
                 del self.tracked[t.req.request_id]
         self.stats["generation_tokens"] += len(results)
         return outputs
+
+    def _prompt_rows(self, chunk) -> tuple | None:
+        """(chunk, a, b): the positions of this chunk whose logits give prompt logprobs still
+        owed (position q scores prompt token q + 1), or None."""
+        t = self.tracked[chunk.request.request_id]
+        if t.prompt_logprobs is None:
+            return None
+        a = max(chunk.start, len(t.prompt_logprobs) - 1)  # a recompute after preemption adds nothing twice
+        b = min(chunk.end, chunk.request.num_prompt_tokens - 1)
+        return (chunk, a, b) if a < b else None
+
+    def _add_prompt_logprobs(self, spans: list[tuple], logits: torch.Tensor) -> None:
+        row = 0
+        for chunk, a, b in spans:
+            t = self.tracked[chunk.request.request_id]
+            picked = token_logprobs(logits[row:row + b - a], chunk.request.prompt_token_ids[a + 1:b + 1],
+                                    t.params.prompt_logprobs)
+            t.prompt_logprobs.extend(Logprob(lp, top) for lp, top in picked)
+            row += b - a
+            if len(t.prompt_logprobs) == chunk.request.num_prompt_tokens:
+                chunk.request.read_prefix_cache = True
 
     def _sampling_row(self, t: _Tracked) -> SamplingRow:
         p = t.params
@@ -326,4 +355,5 @@ class LLMEngine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_preemptions=req.num_preemptions,
         )
-        return RequestOutput(req.request_id, t.prompt, list(req.prompt_token_ids), [completion], req.is_finished, metrics)
+        return RequestOutput(req.request_id, t.prompt, list(req.prompt_token_ids), [completion], req.is_finished,
+                             metrics, list(t.prompt_logprobs) if t.prompt_logprobs is not None else None)

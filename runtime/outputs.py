@@ -39,3 +39,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing precedes it); complete from the first output on
+    prompt_logprobs: list[Logprob | None] | None = None

@@ -20,6 +20,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per generated token
+    # top-N logprobs per prompt token (the first has none); such a request computes its
+    # whole prompt rather than reading a cached prefix, as in vLLM
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -55,8 +58,10 @@ class SamplingParams:
             raise bad("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "an integer in [0, 20]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
+                raise bad(name, "an integer in [0, 20]", value)
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer", self.seed)
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -110,6 +110,33 @@ def test_stop_strings_tokens_min_tokens_and_logprobs(llm32):
         assert token in entry.top_logprobs
 
 
+def test_prompt_logprobs_match_hf_through_cache_chunks_and_preemption(llm32, hf_default, corpus_prompts):
+    """prompt_logprobs score every prompt token as HF transformers does, also for prompts
+    whose prefix is already cached, that prefill in several chunks (256-token steps) or
+    that are preempted and recomputed (640 tokens of KV for six requests)."""
+    tok = llm32.get_tokenizer()
+    shared = tok.encode(corpus_prompts[5])[:64]
+    prompts = [shared + tok.encode(corpus_prompts[6 + i])[: 40 + 60 * i] for i in range(6)]
+    llm32.generate([shared + [13]], SamplingParams(temperature=0, max_tokens=1))  # caches the shared blocks
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=2)
+    results = llm32.generate(prompts, params)
+    assert max(len(p) for p in prompts) > 256 and sum(r.metrics.num_preemptions for r in results) > 0
+    assert all(r.metrics.num_cached_tokens == 0 for r in results)  # every position computed
+    for ids, r in zip(prompts, results):
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_default(torch.tensor([ids])).logits[0].double(), -1)
+        want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        plp = r.prompt_logprobs
+        assert len(plp) == len(ids) and plp[0] is None
+        got = torch.tensor([e.logprob for e in plp[1:]], dtype=torch.float64)
+        assert (got - want).abs().max() < 1e-3, (got - want).abs().max()
+        for e, row in zip(plp[1:], ref[:-1]):
+            assert len(e.top_logprobs) == 2 and int(row.argmax()) in e.top_logprobs
+    # Once its prompt is scored a request reads the cache again; one that asks for no prompt logprobs has none.
+    again = llm32.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert again.prompt_logprobs is None and again.metrics.num_cached_tokens > 0
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -122,6 +149,7 @@ def test_stop_strings_tokens_min_tokens_and_logprobs(llm32):
         (lambda llm: llm.generate("Hi", SamplingParams(top_p=0)), r"top_p must be in \(0, 1\]"),
         (lambda llm: llm.generate("Hi", SamplingParams(top_p=1.5)), "top_p"),
         (lambda llm: llm.generate("Hi", SamplingParams(max_tokens=0)), "max_tokens"),
+        (lambda llm: llm.generate("Hi", SamplingParams(prompt_logprobs=21)), r"prompt_logprobs must be an integer in \[0, 20\]"),
         (lambda llm: llm.generate(["Hi", [5, 999999]], SamplingParams()), "prompt token ids"),
     ],
 )

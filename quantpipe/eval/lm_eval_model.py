@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 
+import lm_eval.models  # noqa: F401 - lm-eval's own models; imported first, or registering ours hides them
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model

@@ -27,6 +27,8 @@ class Request:
     # Chained hashes of this request's full blocks, in order (index i covers block i).
     block_hashes: list[int] = field(default_factory=list)
     num_committed_blocks: int = 0  # leading blocks already published to the prefix cache
+    # False while every prompt position must be computed (prompt logprobs still owed)
+    read_prefix_cache: bool = True
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

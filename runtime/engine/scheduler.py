@@ -141,7 +141,8 @@ class Scheduler:
                 self._update_hashes(req)
                 # Never serve the last known token from the cache: it must be computed to sample.
                 usable = (req.num_tokens - 1) // self.block_size
-                hits = self.pool.lookup(req.block_hashes[:usable]) if self.pool.enable_prefix_caching else []
+                hits = (self.pool.lookup(req.block_hashes[:usable])
+                        if self.pool.enable_prefix_caching and req.read_prefix_cache else [])
                 req.block_ids = hits
                 req.num_committed_blocks = len(hits)
                 req.num_computed_tokens = len(hits) * self.block_size

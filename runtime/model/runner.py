@@ -57,8 +57,12 @@ class ModelRunner:
         return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Run the chunks; returns the chunks that sample and their logits [R, V] (float32)."""
+    def execute(self, chunks: list[ScheduledChunk], extra_rows: list[tuple[ScheduledChunk, int, int]] = ()
+                ) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run the chunks; returns the chunks that sample and their logits [R, V] (float32).
+
+        `extra_rows` asks for more logits: (chunk, a, b) adds the rows of token positions
+        a..b-1 of that chunk (prompt logprobs), after the R sampled rows and in order."""
         # Decodes (single-token chunks) first, by context length, so they batch into a few calls.
         decodes = sorted((c for c in chunks if c.num_tokens == 1 and c.start > 0), key=lambda c: c.end)
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
@@ -88,12 +92,16 @@ class ModelRunner:
                 span.mask = torch.arange(num_blocks * self.block_size, device=dev).unsqueeze(0) <= q_pos
             meta.prefills.append(span)
             row += c.num_tokens
-        sampled, logit_rows, row = [], [], 0
+        sampled, logit_rows, first_row, row = [], [], {}, 0
         for c in ordered:
+            first_row[id(c)] = row
             row += c.num_tokens
             if c.sample:
                 sampled.append(c)
                 logit_rows.append(row - 1)
+        for c, a, b in extra_rows:
+            assert c.start <= a <= b <= c.end, (c, a, b)
+            logit_rows.extend(range(first_row[id(c)] + a - c.start, first_row[id(c)] + b - c.start))
         logits = self.model(
             torch.tensor(input_ids, device=dev),
             torch.tensor(positions, device=dev),

@@ -51,14 +51,23 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     for i, row in enumerate(rows):
         res = SampleResult(token_list[i])
         if row.num_logprobs is not None:
-            res.logprob = logprobs[i, token_list[i]].item()
-            if row.num_logprobs > 0:
-                vals, ids = logprobs[i].topk(row.num_logprobs)
-                res.top_logprobs = dict(zip(ids.tolist(), vals.tolist()))
-            else:
-                res.top_logprobs = {}
+            [(res.logprob, res.top_logprobs)] = _pick(logprobs[i:i + 1], [token_list[i]], row.num_logprobs)
         out.append(res)
     return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[tuple[float, dict[int, float]]]:
+    """logits: [T, V] float32. For each row, the log-probability of its token and the
+    `num_top` most likely tokens with theirs (prompt logprobs)."""
+    return _pick(torch.log_softmax(logits, dim=-1), token_ids, num_top)
+
+
+def _pick(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[tuple[float, dict[int, float]]]:
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    if num_top == 0:
+        return [(c, {}) for c in chosen]
+    vals, ids = logprobs.topk(num_top, dim=-1)
+    return [(c, dict(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist())]
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

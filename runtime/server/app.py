@@ -322,8 +322,16 @@ def create_app(engine: LLMEngine, config: ServerConfig, model_names: list[str]) 
         if (req.prompt is None) == (req.messages is None):
             raise bad("send exactly one of prompt or messages", "prompt")
         text = req.prompt if req.prompt is not None else preparer.chat_text(req.messages, req.add_generation_prompt)
-        tokens = await preparer.encode(text)
+        tokens = await preparer.encode(text, add_special_tokens=req.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        # vLLM's endpoint: what a client needs to tokenize as the server does (lm-eval's
+        # `tokenizer_backend=remote` reads it, then tokenizes through /tokenize).
+        if engine.tokenizer is None:
+            return error_response(404, "this model has no tokenizer")
+        return preparer.tokenizer_info()
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

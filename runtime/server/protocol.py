@@ -110,6 +110,7 @@ class TokenizeRequest(BaseModel):
     prompt: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
     add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True  # the model's BOS, where its tokenizer adds one
 
 
 class DetokenizeRequest(BaseModel):

@@ -41,6 +41,7 @@ class Prepared:
     include_usage: bool
     logprobs: int | None  # top-N; None: no logprobs in the response
     priority: int
+    echo: str | None = None  # completions' echo: the prompt's text, returned before the output
 
     @property
     def cost_tokens(self) -> int:
@@ -62,14 +63,28 @@ class Preparer:
                            param="model", code="model_not_found", reason="bad_request")
         return self.model_names[0]
 
-    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         try:
             text.encode("utf-8")  # JSON escapes can smuggle in lone surrogates, which the tokenizer rejects
         except UnicodeEncodeError:
             raise bad(f"{param} is not valid Unicode (a lone surrogate escape such as \\ud800)", param) from None
         if len(text) > _OFFLOOP_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text)
-        return self.tokenizer.encode(text)
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def tokenizer_info(self) -> dict:
+        """The special tokens, chat template and context of this model's tokenizer (vLLM's
+        /tokenizer_info; None where the model has no such token)."""
+        tok = self.tokenizer
+
+        def name(token_id: int | None) -> str | None:
+            return tok.id_to_token(token_id) if token_id is not None else None
+
+        eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(tok.bos_token_id),
+                "eos_token": name(eos), "pad_token": name(eos), "add_bos_token": tok.add_bos_token,
+                "chat_template": tok.chat_template, "model_max_length": self.max_model_len,
+                "vocab_size": self.vocab_size}
 
     def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         if self.tokenizer is None or not self.tokenizer.chat_template:
@@ -99,8 +114,6 @@ class Preparer:
             if len(p) != 1:
                 raise bad(f"prompt: one prompt per request is supported, got a list of {len(p)}", "prompt")
             p = p[0]
-        if req.echo:
-            raise bad("echo is not supported", "echo")
         if req.best_of not in (None, 1):
             raise bad("best_of must be 1 (parallel sampling is not supported)", "best_of")
         if isinstance(p, str):
@@ -111,7 +124,13 @@ class Preparer:
             ids = list(p)
             self.check_ids(ids)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's and vLLM's default
-        return self._finish(req, "completion", model, ids, max_tokens, req.logprobs, explicit_max=True)
+        prep = self._finish(req, "completion", model, ids, max_tokens, req.logprobs, explicit_max=True)
+        if req.echo:  # the prompt comes back first, with its logprobs when logprobs are asked for
+            if self.tokenizer is None:
+                raise bad("echo needs a tokenizer to return the prompt's text; this model has none", "echo")
+            prep.echo = p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+            prep.params.prompt_logprobs = req.logprobs
+        return prep
 
     async def chat(self, req: ChatRequest) -> Prepared:
         model = self.check_model(req.model)
@@ -189,6 +208,7 @@ class Responder:
     delivered_finish_reason: str | None = None  # set once the final chunk or body was built
     _lp_sent: int = 0  # output tokens whose logprobs were already streamed
     _text_offset: int = 0  # completions logprobs: characters before the next token
+    _echo_sent: bool = False  # a stream's echoed prompt went out
 
     def __post_init__(self) -> None:
         self._deltas = TextDeltas(list(self.prep.params.stop))
@@ -218,7 +238,7 @@ class Responder:
         best = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])[: self.prep.logprobs]
         return [(self._token_str(i), _lp(v)) for i, v in best]
 
-    def _logprobs(self, token_ids: list[int], lps: list[Logprob]) -> dict | None:
+    def _logprobs(self, token_ids: list[int], lps: list[Logprob | None]) -> dict | None:
         if self.prep.logprobs is None:
             return None
         if self.chat:
@@ -233,8 +253,8 @@ class Responder:
         for tid, lp in zip(token_ids, lps):
             s = self._token_str(tid)
             tokens.append(s)
-            token_lps.append(_lp(lp.logprob))
-            tops.append(dict(self._top(lp)))
+            token_lps.append(None if lp is None else _lp(lp.logprob))  # None: the prompt's first token
+            tops.append(None if lp is None else dict(self._top(lp)))
             offsets.append(self._text_offset)
             self._text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -246,18 +266,31 @@ class Responder:
         start, self._lp_sent = self._lp_sent, len(c.logprobs)
         return self._logprobs(c.token_ids[start:], c.logprobs[start:])
 
+    def _echo(self, out: RequestOutput) -> tuple[str, dict | None]:
+        """Completions' echo: the prompt's text and, when logprobs are asked for, its tokens'
+        logprobs; the output's text offsets then count from the end of the prompt's text."""
+        lps = self._logprobs(out.prompt_token_ids, out.prompt_logprobs) if self.prep.logprobs is not None else None
+        self._text_offset = len(self.prep.echo)
+        return self.prep.echo, lps
+
+    @staticmethod
+    def _join(first: dict | None, then: dict | None) -> dict | None:
+        return first if then is None else then if first is None else {k: first[k] + then[k] for k in first}
+
     # -- whole responses ----------------------------------------------------------------
 
     def response(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
         self._whole, self.delivered_finish_reason = True, c.finish_reason
+        echo, echo_lps = self._echo(out) if self.prep.echo is not None else ("", None)
         logprobs = self._logprobs(c.token_ids, c.logprobs or []) if self.prep.logprobs is not None else None
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+            choice = {"index": 0, "text": echo + c.text, "logprobs": self._join(echo_lps, logprobs),
+                      "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
             obj = "text_completion"
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.prep.model,
@@ -284,7 +317,12 @@ class Responder:
         piece = self._deltas.delta(c.text, out.finished)
         if out.finished:
             self.delivered_finish_reason = c.finish_reason
-        logprobs = self._new_logprobs(out)
+        echo, echo_lps = "", None
+        if self.prep.echo is not None and not self._echo_sent:  # the first chunk carries the prompt
+            self._echo_sent = True
+            echo, echo_lps = self._echo(out)
+        logprobs = self._join(echo_lps, self._new_logprobs(out))
+        piece = echo + piece
         if not piece and logprobs is None and not out.finished:
             return []
         finish = c.finish_reason if out.finished else None

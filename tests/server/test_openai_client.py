@@ -120,6 +120,47 @@ def test_logprobs_shapes(client):
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(client, offline, prompts):
+    """echo: the prompt's text, then the output; with logprobs, every prompt token's
+    (None for the first), as offline prompt_logprobs computes them, and offsets into the text."""
+    from quantpipe.runtime import SamplingParams
+
+    ref = offline.generate(prompts[4], SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2))[0]
+    n = len(ref.prompt_token_ids)
+    got = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompts[4], max_tokens=3, temperature=0,
+                                    logprobs=2, echo=True)
+    c = got.choices[0]
+    assert c.text == prompts[4] + ref.outputs[0].text
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e.logprob for e in ref.prompt_logprobs[1:]] + [e.logprob for e in ref.outputs[0].logprobs]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want)) < 1e-4
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens[:n]) == prompts[4] and lp.text_offset[n] == len(prompts[4])
+    # Token ids in, the same scores out; streamed, the first chunk carries the prompt.
+    by_ids = client.completions.create(model="SmolLM2-135M-Instruct", prompt=[ref.prompt_token_ids], max_tokens=3,
+                                       temperature=0, logprobs=2, echo=True).choices[0]
+    assert by_ids.text == c.text and by_ids.logprobs.token_logprobs == lp.token_logprobs
+    chunks = [ch for ch in client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompts[4], max_tokens=3,
+                                                     temperature=0, logprobs=2, echo=True, stream=True) if ch.choices]
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    streamed = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    plain = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2, temperature=0,
+                                      echo=True).choices[0]
+    assert plain.text.startswith("Hello") and plain.logprobs is None
+
+
+def test_tokenizer_endpoints_as_lm_eval_reads_them(server):
+    import httpx
+
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"] and info["model_max_length"] == 2048
+    eos = httpx.post(server.url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert len(eos.json()["tokens"]) == 1
+
+
 @pytest.mark.slow
 def test_sixteen_in_flight_match_offline(server, offline, prompts):
     """16 concurrent streaming + non-streaming requests, each equal to the offline batch."""
