@@ -60,7 +60,7 @@ def load_baseline(path: str) -> dict:
 # The values a metric can take, where it has bounds: a tolerance whose limit lies past the
 # bound on the worse side could never fail, and is refused rather than trusted.
 BOUNDS = {"exact_match": (0.0, 1.0), "top1_agreement": (0.0, 1.0), "accuracy": (0.0, 1.0),
-          "accuracy_drop_points": (-100.0, 100.0), "error_rate": (0.0, 1.0)}
+          "accuracy_drop_points": (-100.0, 100.0), "flips_pct": (0.0, 100.0), "error_rate": (0.0, 1.0)}
 
 
 def rules_for(baseline: dict, reference: dict) -> tuple[list[Rule], list[str], list[str]]:

@@ -165,7 +165,12 @@ def report_html(report: dict, verdict: dict | None = None) -> str:
                       "" if "flips" not in v else f"{v['flips']['to_wrong']} / {v['flips']['to_right']}",
                       v["accuracy_drop_points"]["n"]]
                      for t, v in c["mc"]["tasks"].items()]
-            parts.append("<h3>Multiple choice (BIG-bench, acc)</h3>" + html_table(mrows, [
+            m = c["mc"]
+            if "flips" in m:  # over every task's items: what the gate's flips rule judges
+                mrows.append(["all tasks", "", "", format_ci(m["accuracy_drop_points"], "{:+.1f}"),
+                              format_ci(m.get("recovery"), "{:.3f}"), format_ci(m["flips_pct"], "{:.1f}"),
+                              f"{m['flips']['to_wrong']} / {m['flips']['to_right']}", m["accuracy_drop_points"]["n"]])
+            parts.append("<h3>Multiple choice (BIG-bench through lm-eval, acc)</h3>" + html_table(mrows, [
                 "task", "baseline", "candidate", "drop (points)", "recovery", "flips %",
                 "right to wrong / wrong to right", "items"]))
         if c.get("lm_eval"):

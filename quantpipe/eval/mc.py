@@ -3,8 +3,13 @@
 Tasks are BIG-bench `task.json` files (see evals/mc/README.md), read by
 `quantpipe.formats.bigbench`: the prompt built the way BIG-bench does and each choice the
 continuation " " + choice. Both models see the same token ids, scored in float32 one
-sequence per forward call (batch-invariant, like the perplexity scorer). The lm-eval task
-files in evals/lm_eval_tasks/ serve the same items to lm-evaluation-harness.
+sequence per forward call (batch-invariant, like the perplexity scorer).
+
+The eval's multiple-choice section runs these items through lm-evaluation-harness (the
+task files in evals/lm_eval_tasks/, `lm_eval_suite.score_mc`), whose quantpipe model scores
+each request with `loglikelihoods` below; `summarize` turns the per-item results into the
+report's section. `evaluate` is the same scoring without lm-eval, an independent check
+that lm-eval builds and judges the items as BIG-bench does (tests, benchmarks/bench_lm_eval.py).
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ from quantpipe.runtime.model.forward import continuation_logits
 TASK_DIR = Path(quantpipe.evals.__file__).resolve().parent / "mc" / "bigbench"
 
 
+def shipped_tasks() -> list[str]:
+    return sorted(p.name.removesuffix(".json.gz") for p in TASK_DIR.glob("*.json.gz"))
+
+
 def load_task(name: str, limit: int | None = None) -> list[Item]:
     path = TASK_DIR / f"{name}.json.gz"
     if not path.exists():
-        known = sorted(p.name.removesuffix(".json.gz") for p in TASK_DIR.glob("*.json.gz"))
-        raise ValueError(f"mc task {name!r} is not shipped; known: {', '.join(known)}")
+        raise ValueError(f"mc task {name!r} is not shipped; known: {', '.join(shipped_tasks())}")
     return read_task(path, limit)
 
 
@@ -79,9 +87,9 @@ def evaluate(models: dict[str, object], tokenizer, tasks: list[str], limit: int 
 
 
 def summarize(results: dict, baseline: str, candidate: str, replicates: int = 1000, seed: int = 0) -> dict:
-    """Per task and averaged: accuracies with standard errors, the paired drop in points, and
-    the recovery and flips of each task with paired bootstrap CIs."""
-    tasks, drops = {}, []
+    """Per task and over all items: accuracies with standard errors, the paired drop in
+    points, and the recovery and flips with paired bootstrap CIs."""
+    tasks, drops, base_all, cand_all = {}, [], [], []
     for name, per in results.items():
         b, c = per[baseline]["acc"], per[candidate]["acc"]
         diff = [x - y for x, y in zip(b, c)]  # paired per item: the drop's stderr is the diff's
@@ -92,9 +100,11 @@ def summarize(results: dict, baseline: str, candidate: str, replicates: int = 10
                        "accuracy_drop_points": {"point": 100 * d["point"], "stderr": 100 * d["stderr"], "n": d["n"]},
                        **recovery_and_flips(b, c, replicates, seed)}
         drops.append(diff)
+        base_all += b
+        cand_all += c
     flat = [x for d in drops for x in d]
     overall = mean_with_se(flat)
-    return {"tasks": tasks, "accuracy_drop_points": {"point": 100 * overall["point"] if flat else None,
+    return {"tasks": tasks, **recovery_and_flips(base_all, cand_all, replicates, seed), "accuracy_drop_points": {"point": 100 * overall["point"] if flat else None,
                                                      "stderr": 100 * overall["stderr"] if flat else None,
                                                      "ci_upper": 100 * (overall["point"] + 1.96 * overall["stderr"]) if flat else None,
                                                      "n": overall["n"]}}

@@ -143,7 +143,7 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
         prompts = generation.prompts_from(texts[: g["prompts"]], tokenizer) if g["prompts"] else []
         base_gen = generation.greedy(baseline, prompts, g["max_tokens"]) if prompts else []
         tasks = suite.mc["tasks"]
-        mc_base = mc.evaluate({"baseline": base_model}, tokenizer, tasks, suite.mc["limit"]) if tasks else {}
+        mc_base = lm_eval_suite.score_mc(base_model, tokenizer, baseline, tasks, suite.mc["limit"]) if tasks else {}
         lm_tasks = suite.lm_eval["tasks"]
         lm_base = lm_eval_suite.score_tasks(base_model, tokenizer, baseline, suite.lm_eval) if lm_tasks else {}
         # Every candidate is scored in one pass over the texts, so the baseline runs once per text.
@@ -161,8 +161,10 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
                                        "exact_match": mean_with_se(agree["exact"]),
                                        "prefix_match_mean": mean_with_se(agree["prefix"])}
             if tasks:
-                res = mc.evaluate({"candidate": cand_model}, tokenizer, tasks, suite.mc["limit"])
-                merged = {name: {**mc_base[name], **res[name]} for name in tasks}
+                res = lm_eval_suite.score_mc(cand_model, tokenizer, c, tasks, suite.mc["limit"])
+                for name in tasks:
+                    lm_eval_suite.check_identical(mc_base[name]["request"], res[name]["request"], f"mc task {name}")
+                merged = {name: {"baseline": mc_base[name], "candidate": res[name]} for name in tasks}
                 entry["mc"] = mc.summarize(merged, "baseline", "candidate", q["bootstrap"], q["seed"])
             if lm_tasks:
                 entry["lm_eval"] = lm_eval_suite.compare(

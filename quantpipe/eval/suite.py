@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import quantpipe.evals
+from quantpipe.eval.mc import shipped_tasks
 from quantpipe.manifest import StageError, read_yaml
 
 DEFAULT_SUITE = Path(quantpipe.evals.__file__).resolve().parent / "suites" / "default.yaml"
@@ -78,6 +79,10 @@ class EvalSuite:
             tasks = getattr(self, section)["tasks"]
             if not isinstance(tasks, list) or not all(isinstance(t, str) and t for t in tasks):
                 raise StageError(f"suite {section}.tasks must be a list of task names; got {tasks!r}")
+        unknown = [t for t in self.mc["tasks"] if t not in shipped_tasks()]
+        if unknown:
+            raise StageError(f"suite mc.tasks: {', '.join(map(repr, unknown))} not shipped; known: "
+                             f"{', '.join(shipped_tasks())} (other lm-eval tasks go under lm_eval.tasks)")
         if len(set(self.lm_eval["tasks"])) != len(self.lm_eval["tasks"]):
             raise StageError(f"suite lm_eval.tasks names a task twice: {self.lm_eval['tasks']!r}")
         include = self.lm_eval["include_path"]

@@ -205,7 +205,8 @@ def publish(artifact: str, verdict_path: str, name: str, registry_uri: str = DEF
                                            artifacts={"artifact": str(artifact)}, pip_requirements=["quantpipe"])
         headline = {k: v for k, v in flat.items()
                     if k in ("quality.ppl_delta_pct", "quality.kl_mean", "quality.top1_agreement",
-                             "memory.weight_bytes_ratio", "latency.tpot_p50_ratio", "mc.accuracy_drop_points")}
+                             "memory.weight_bytes_ratio", "latency.tpot_p50_ratio", "mc.accuracy_drop_points",
+                             "mc.flips_pct")}
         vtags = {**tags, "quantpipe.artifact_sha256": verdict["candidate"]["sha256"],
                  "quantpipe.source_model_sha256": manifest["source_model"]["sha256"],
                  **{f"quantpipe.{k}": f"{v:.6g}" for k, v in headline.items()}}

@@ -12,20 +12,17 @@ import hashlib
 import json
 import os
 import shutil
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from quantpipe.cli import main
 from quantpipe.eval.stage import evaluate
 from quantpipe.eval.suite import EvalSuite
-from quantpipe.formats.packing import pack_int32, unpack_int32
 from quantpipe.gate import DEFAULT_POLICY, gate, resolve
 from quantpipe.manifest import StageError
-from quantpipe.quantize import QuantConfig, quantize
+from tests.evals import broken
 
 # Two evals of six candidates on the default model: minutes on 2 cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -38,87 +35,13 @@ CAREFUL = ("quality: {max_texts: 64, max_tokens: 192, bootstrap: 400}\n"
 OBVIOUS = ("quality: {max_texts: 16, max_tokens: 96, bootstrap: 400}\n"
            "generation: {prompts: 2, max_tokens: 8}\n"
            "mc: {tasks: [general_knowledge], limit: 8}\n")
-DAMAGED = "metadata.task=code_complete"  # the stratum the one-stratum artifact damages
-PROJ = "model.layers.{}.mlp.down_proj"
-
-
-def _variant(src: Path, dst: Path, edit) -> str:
-    """A copy of the artifact at `src` whose tensors `edit` changes in place."""
-    shutil.copytree(src, dst)
-    state = load_file(dst / "model.safetensors")
-    edit(state)
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return str(dst)
-
-
-def _two_bit(state):
-    """Every quantized weight cut to 4 levels (2 bits) inside its INT8 container."""
-    for k in [k for k in state if k.endswith(".weight_packed")]:
-        rows, cols = state[k.replace("_packed", "_shape")].tolist()
-        q = unpack_int32(state[k], 8, cols)
-        state[k] = pack_int32((torch.round(q.float() / 64).clamp(-2, 1) * 64).to(torch.int8), 8)
-
-
-def _scales_off(state):
-    """Scales 30% too large in three layers: the rounding was right, the scale is not."""
-    for i in (3, 14, 25):
-        state[PROJ.format(i) + ".weight_scale"] = state[PROJ.format(i) + ".weight_scale"] * 1.3
-
-
-def _kv_scales_off(state):
-    """Every static KV scale 4x too large: the cache keeps about 5 of its 8 bits."""
-    for k in [k for k in state if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))]:
-        state[k] = state[k] * 4
-
-
-def _code_tokens(heldout: str, tokenizer) -> list[int]:
-    """Tokens frequent in the damaged stratum's held-out texts and absent from every other one."""
-    inside, outside = Counter(), set()
-    for line in Path(heldout, "heldout.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        ids = tokenizer.encode(row["text"])
-        if f"metadata.task={row['strata']['metadata.task']}" == DAMAGED:
-            inside.update(ids)
-        else:
-            outside.update(ids)
-    return [t for t, n in inside.most_common() if t not in outside and n >= 2]
+DAMAGED = broken.DAMAGED
 
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, sample_set, w8a16_artifact) -> dict[str, str]:
     """The six candidates, by name."""
-    from quantpipe.runtime.model.tokenizer import load_tokenizer
-
-    tmp = tmp_path_factory.mktemp("gate")
-    w8 = tmp / "w8a16"
-    shutil.copytree(w8a16_artifact, w8)
-    tokens = torch.tensor(_code_tokens(sample_set, load_tokenizer(None)))
-    assert len(tokens) >= 20, "the damaged stratum needs tokens of its own"
-
-    def one_stratum(state):
-        # Input embeddings of those tokens get noise; lm_head keeps the original rows
-        # (untied), so only texts that contain the tokens are affected. 0.25 of each row's
-        # norm: a KL near 0.03 on that stratum, under 0.01 overall (measured).
-        emb = state["model.embed_tokens.weight"].float()
-        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-        gen = torch.Generator().manual_seed(0)
-        noise = torch.randn(len(tokens), emb.shape[1], generator=gen) / emb.shape[1] ** 0.5
-        emb[tokens] += 0.25 * noise * emb[tokens].norm(dim=1, keepdim=True)
-        state["model.embed_tokens.weight"] = emb.to(torch.bfloat16)
-
-    def untie(folder):
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg["tie_word_embeddings"] = False
-        (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-        return str(folder)
-
-    kv = tmp / "kv-int8"  # W8A16 with a static INT8 KV cache, its scales calibrated on the sample set
-    quantize(None, QuantConfig(scheme="W8A16", kv_cache="int8", kv_cache_strategy="channel", calib_samples=32),
-             sample_set, str(kv))
-    candidates = [str(w8), _variant(w8, tmp / "w2", _two_bit), _variant(w8, tmp / "scales-off", _scales_off),
-                  untie(Path(_variant(w8, tmp / "code-damaged", one_stratum))), str(kv),
-                  _variant(kv, tmp / "kv-scales-off", _kv_scales_off)]
-    return {Path(c).name: c for c in candidates}
+    return broken.build(tmp_path_factory.mktemp("gate"), sample_set, w8a16_artifact)
 
 
 def _report(tmp, sample_set, artifacts, names, suite) -> tuple[Path, dict[str, str]]:
@@ -154,6 +77,7 @@ def test_w8a16_passes_the_default_policy(report):
     assert doc["scope"] == "quality"
     assert rules["latency.tpot_p50_ratio"]["result"] == "skipped"  # quality-only report
     assert rules["memory.weight_bytes_ratio"]["value"] < 0.55
+    assert rules["mc.flips_pct"]["result"] == "pass"  # no answer flipped
     assert any(m.startswith(f"quality.strata.{DAMAGED}.") for m in rules)  # the wildcard reached every stratum
     saved = json.loads((report[0] / "verdict-w8a16.json").read_text())
     assert saved["candidate"]["sha256"] == doc["candidate"]["sha256"] and saved["policy"]["sha256"]
@@ -164,6 +88,8 @@ def test_broken_artifacts_fail(report, obvious, name):
     code, doc, rules = _verdict(obvious if name == "w2" else report, name)
     assert code == 1 and doc["verdict"] == "fail"
     assert rules["quality.ppl_delta_pct"]["result"] == "fail" and rules["quality.kl_mean"]["result"] == "fail"
+    if name == "w2":  # 2-bit weights flip answers even among 8 items; the 30%-off scales flip none of these 24
+        assert rules["mc.flips_pct"]["result"] == "fail"
 
 
 def test_kv_int8_passes_and_fails_with_its_scales_off_by_4x(report, obvious):

@@ -151,13 +151,19 @@ def test_eval_reports_lm_eval_tasks_and_the_gate_judges_them(w8a16_artifact, sam
                    scope="quality")
     (c,) = rep["candidates"]
     got, mc_task = c["lm_eval"][task], c["mc"]["tasks"][TASK]
-    # The same 16 items through lm-eval and through the eval's own multiple-choice section.
+    # The multiple-choice section (run through lm-eval) holds, item by item, what the
+    # eval's own loop scores without lm-eval.
+    from quantpipe.runtime.model.loader import load_model
+
+    base, _, tok = load_model(None, torch.float32)
+    ours = mc.evaluate({"b": base, "c": load_model(w8a16_artifact, torch.float32)[0]}, tok, [TASK], 16)[TASK]
+    by_hand = mc.summarize({TASK: {"baseline": ours["b"], "candidate": ours["c"]}}, "baseline", "candidate", 200, 0)
+    assert mc_task == by_hand["tasks"][TASK]
+    assert c["mc"]["flips_pct"] == by_hand["flips_pct"] == mc_task["flips_pct"]  # one task: pooled = per task
+    # The lm_eval section names the same 16 items: the same numbers under lm-eval's names.
     assert got["n"] == 16 and got["metric"] == "acc"
     assert got["baseline"]["point"] == mc_task["acc_baseline"]["point"]
     assert got["candidate"]["point"] == mc_task["acc_candidate"]["point"]
-    assert 100 * (got["flips"]["to_wrong"] - got["flips"]["to_right"]) / 16 == pytest.approx(
-        mc_task["accuracy_drop_points"]["point"])
-    # The multiple-choice section reports the same recovery and flips (same items, same bootstrap).
     for m in ("flips", "flips_pct", "recovery"):
         assert mc_task[m] == got[m], m
     assert "lm-eval tasks" in (tmp_path / "r" / "report.html").read_text()
@@ -175,6 +181,7 @@ def test_suite_lm_eval_section_is_validated(tmp_path):
     from quantpipe.manifest import StageError
 
     for body, message in (("lm_eval: {tasks: quantpipe_bigbench_navigate}", "lm_eval.tasks must be a list"),
+                          ("mc: {tasks: [hellaswag]}", "mc.tasks: 'hellaswag' not shipped; known: date_understanding"),
                           ("lm_eval: {tasks: [a, a]}", "names a task twice"),
                           ("lm_eval: {tasks: [a], limit: 0}", r"lm_eval.limit must be an integer in \[1, 100000\]"),
                           ("lm_eval: {tasks: [a], num_fewshot: -1}", r"lm_eval.num_fewshot must be an integer"),

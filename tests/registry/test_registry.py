@@ -96,7 +96,8 @@ def verdict_for(artifact: str, folder: Path, verdict: str = "pass", scope: str =
     entry = {"name": Path(artifact).name, "sha256": artifact_sha256(artifact), "path": artifact,
              "quality": {"kl_mean": kl, "ppl_delta_pct": _ci(0.05, -0.1, 0.2), "top1_agreement": _ci(0.98, 0.97, 0.99),
                          "strata": {"metadata.task=code_complete": stratum}},
-             "mc": {"accuracy_drop_points": {"point": 0.0, "ci_upper": 1.0, "stderr": 0.5}},
+             "mc": {"accuracy_drop_points": {"point": 0.0, "ci_upper": 1.0, "stderr": 0.5},
+                    "flips_pct": _ci(1.5, 0.4, 3.3)},
              "memory": {"weight_bytes_ratio": 0.5}}
     if scope == "full":
         entry["latency"] = {"tpot_p50_ratio": _ci(0.95, 0.9, 1.0), "ttft_p99_ratio": _ci(1.0, 0.9, 1.1),
