@@ -1,5 +1,5 @@
-"""The default suite's multiple-choice items (3 tasks x 100) scored two ways on the default
-model in float32, side by side, alternating: the eval's own loop (`quantpipe.eval.mc`) and
+"""The default suite's multiple-choice items (3 tasks, at most 100 each: 270) scored two
+ways on the default model in float32, side by side, alternating: the eval's own loop (`quantpipe.eval.mc`) and
 real lm-eval through the `quantpipe` model (`quantpipe.eval.lm_eval_suite`, the suite's
 `lm_eval` section). Prints each round's seconds and whether every item agrees.
 
