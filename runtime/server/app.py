@@ -189,42 +189,59 @@ def create_app(engine: LLMEngine, config: ServerConfig, model_names: list[str]) 
         rid = f"{prefix}-{uuid.uuid4().hex}"
         key = request.state.rate_key  # set by the gate, which already checked auth, rps, queue length
         body: dict | None = None
-        prep: Prepared | None = None
+        preps: list[Prepared] = []
 
-        def log_request(status: str, out: RequestOutput | None, error: APIError | None,
-                        responder: Responder | None = None) -> None:
+        def log_request(sid: str, sub_body: dict | None, prep: Prepared | None, status: str,
+                        out: RequestOutput | None, error: APIError | None, responder: Responder | None = None) -> None:
             if request_log is not None:
                 request_log.write(log_record(
-                    rid, created, request.url.path, model_names[0], status, body, out, error, prep,
+                    sid, created, request.url.path, model_names[0], status, sub_body, out, error, prep,
                     responder, time.monotonic() - started))
+
+        def sub(i: int) -> tuple[str, dict | None]:
+            """The engine request id and the request-log body of the i-th prompt: a request with
+            several prompts is logged as one line per prompt, each with its own prompt."""
+            if len(preps) == 1:
+                return rid, body
+            return f"{rid}-{i}", {**body, "prompt": body["prompt"][i]}
 
         try:
             body = await read_json(request)
-            prep = await prepare(parse(model_cls, body))
+            preps = await prepare(parse(model_cls, body))
+            cost = sum(p.cost_tokens for p in preps)
             # Queue first: a request the queue refuses must not spend the caller's token budget.
             # No await from here to aengine.add(), so the checks and the reservation are atomic.
-            full = aengine.try_admit(prep.cost_tokens, config.max_queued_requests, config.max_queued_tokens)
+            full = aengine.try_admit(cost, config.max_queued_requests, config.max_queued_tokens, len(preps))
             if full:
                 raise queue_full(full)
-            wait = limiter.check_tokens(key, prep.cost_tokens)
+            wait = limiter.check_tokens(key, cost)
             if wait > 0:
                 raise rate_limited(wait, f"--rate-limit-tpm {config.rate_limit_tpm}")
         except APIError as e:
             e.headers = {**(e.headers or {}), "X-Request-Id": rid}
-            log_request("rejected" if e.status in (429, 503) else "error", None, e)
+            status = "rejected" if e.status in (429, 503) else "error"
+            for i, prep in enumerate(preps or [None]):
+                sid, sub_body = sub(i) if preps else (rid, body)
+                log_request(sid, sub_body, prep, status, None, e)
             raise
-        stream = aengine.add(EngineRequest(rid, prep.prompt_ids, prep.params, arrival, prep.priority,
-                                           prep.cost_tokens))
-        responder = Responder(prep, rid, engine.tokenizer)
-        flight = Flight(rid, aengine, metrics,
-                        on_close=lambda status, out, err: log_request(status, out, err, responder))
+        subs = []
+        for i, prep in enumerate(preps):
+            sid, sub_body = sub(i)
+            stream = aengine.add(EngineRequest(sid, prep.prompt_ids, prep.params, arrival, prep.priority,
+                                               prep.cost_tokens))
+            responder = Responder(prep, rid, engine.tokenizer)
+            flight = Flight(sid, aengine, metrics, on_close=lambda status, out, err, sid=sid, b=sub_body, p=prep,
+                            r=responder: log_request(sid, b, p, status, out, err, r))
+            subs.append((flight, stream, responder))
         deadline = started + config.request_timeout if config.request_timeout else None
-        if prep.stream:
+        if preps[0].stream:  # one prompt (checked when prepared)
+            flight, stream, responder = subs[0]
             return SSEResponse(stream_body(flight, stream, responder, deadline), flight)
         try:
-            return await whole_body(request, flight, stream, responder, deadline)
+            return await whole_body(request, rid, subs, deadline)
         finally:
-            flight.close("disconnect")  # handler cancelled (shutdown): no-op when it finished
+            for flight, _, _ in subs:
+                flight.close("disconnect")  # handler cancelled (shutdown): no-op when it finished
 
     async def next_output(stream: RequestStream, deadline: float | None):
         if deadline is None:
@@ -260,8 +277,10 @@ def create_app(engine: LLMEngine, config: ServerConfig, model_names: list[str]) 
             flight.close("disconnect")  # cancelled by a disconnect: abort now, not at GC
         yield _sse("[DONE]")
 
-    async def whole_body(request: Request, flight: Flight, stream: RequestStream, responder: Responder, deadline):
-        async def collect():
+    async def whole_body(request: Request, rid: str, subs: list, deadline) -> Response:
+        """The whole response once every prompt's request finished; a disconnect aborts them all,
+        and one that fails (timeout, engine error) fails the response and aborts the others."""
+        async def collect(flight: Flight, stream: RequestStream):
             while True:
                 out = flight.last = await next_output(stream, deadline)
                 if out.finished:
@@ -271,32 +290,51 @@ def create_app(engine: LLMEngine, config: ServerConfig, model_names: list[str]) 
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        task = asyncio.ensure_future(collect())
+        tasks = [asyncio.ensure_future(collect(flight, stream)) for flight, stream, _ in subs]
         watch = asyncio.ensure_future(disconnected())
+        pending = set(tasks)
         try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            while pending:
+                done, _ = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
+                if watch in done or any(not t.cancelled() and t.exception() is not None for t in done):
+                    break
         finally:
             watch.cancel()
-            if not task.done():
-                task.cancel()
-        if not task.done() or task.cancelled():
-            flight.close("disconnect")
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+        failed = next(((t, flight) for t, (flight, _, _) in zip(tasks, subs)
+                       if t.done() and not t.cancelled() and t.exception() is not None), None)
+        if failed is None and not all(t.done() and not t.cancelled() for t in tasks):
+            for flight, _, _ in subs:
+                flight.close("disconnect")
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-        try:
-            out = task.result()
-        except TimeoutError:
-            err = timeout_error()
-            err.headers = {"X-Request-Id": flight.request_id}
-            flight.close("timeout", err)
+        if failed is not None:
+            task, flight = failed
+            exc = task.exception()
+            if isinstance(exc, TimeoutError):
+                err = timeout_error()
+                err.headers = {"X-Request-Id": rid}
+                flight.close("timeout", err)
+            elif isinstance(exc, EngineError):
+                err = APIError(exc.status, str(exc), reason="bad_request" if exc.status == 400 else None,
+                               headers={"X-Request-Id": rid})
+                flight.close("error", err)
+            else:
+                raise exc
+            for other, _, _ in subs:
+                other.close("disconnect")  # the rest of a failed request: aborted
             raise err from None
-        except EngineError as e:
-            err = APIError(e.status, str(e), reason="bad_request" if e.status == 400 else None,
-                           headers={"X-Request-Id": flight.request_id})
-            flight.close("error", err)
-            raise err from None
-        body = responder.response(out)
-        flight.close()
-        return JSONResponse(body, headers={"X-Request-Id": flight.request_id})
+        bodies = []
+        for task, (flight, _, responder) in zip(tasks, subs):
+            bodies.append(responder.response(task.result()))
+            flight.close()
+        body = bodies[0]
+        if len(bodies) > 1:  # one response for all the prompts, choices in their order
+            body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+            body["usage"] = {k: sum(b["usage"][k] for b in bodies) for k in body["usage"]}
+        return JSONResponse(body, headers={"X-Request-Id": rid})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

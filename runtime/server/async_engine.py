@@ -122,14 +122,16 @@ class AsyncEngine:
         with self._lock:
             return len(self._queued), self._queued_tokens
 
-    def try_admit(self, cost_tokens: int, max_requests: int | None, max_tokens: int | None) -> str | None:
-        """Check the queue limits; None when there is room, else which limit is full.
+    def try_admit(self, cost_tokens: int, max_requests: int | None, max_tokens: int | None,
+                  count: int = 1) -> str | None:
+        """Check the queue limits for `count` requests costing `cost_tokens` together; None
+        when there is room, else which limit is full.
 
         The reservation itself happens in add(); both run on the loop thread with no
         await in between, so nothing can slip in between check and reserve.
         """
         n, tokens = self.queue_load()
-        if max_requests is not None and n + 1 > max_requests:
+        if max_requests is not None and n + count > max_requests:
             return f"{n} requests are already queued (--max-queued-requests {max_requests})"
         if max_tokens is not None and tokens + cost_tokens > max_tokens:
             return (f"{tokens} tokens are already queued; this request adds {cost_tokens} "

@@ -23,6 +23,7 @@ from quantpipe.runtime.server.stream import TextDeltas
 # stalls /health; below it, a thread hop costs more than the encode itself.
 _OFFLOOP_CHARS = 8192
 _NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM uses the same stand-in
+_MAX_PROMPTS = 256  # prompts in one completions request: each is an engine request of its own
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -107,13 +108,27 @@ class Preparer:
         if over:
             raise bad(f"{param} token ids must be < the vocabulary size {self.vocab_size}, got {over[:5]}", param)
 
-    async def completion(self, req: CompletionRequest) -> Prepared:
-        model = self.check_model(req.model)
+    async def completion(self, req: CompletionRequest) -> list[Prepared]:
+        """One engine request per prompt: `prompt` may be a list of them (strings or token-id
+        lists), answered as one response whose choices are in the prompts' order."""
         p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise bad(f"prompt: one prompt per request is supported, got a list of {len(p)}", "prompt")
-            p = p[0]
+        prompts = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(prompts) > _MAX_PROMPTS:
+            raise bad(f"prompt: at most {_MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+        if len(prompts) > 1 and req.stream:
+            raise bad("stream: true takes one prompt per request; send the others separately", "stream")
+        out = []
+        for i, one in enumerate(prompts):
+            try:
+                out.append(await self._completion(req, one))
+            except APIError as e:
+                if len(prompts) > 1:  # say which prompt
+                    e.message = f"prompt[{i}]: {e.message}"
+                raise
+        return out
+
+    async def _completion(self, req: CompletionRequest, p) -> Prepared:
+        model = self.check_model(req.model)
         if req.best_of not in (None, 1):
             raise bad("best_of must be 1 (parallel sampling is not supported)", "best_of")
         if isinstance(p, str):
@@ -132,7 +147,10 @@ class Preparer:
             prep.params.prompt_logprobs = req.logprobs
         return prep
 
-    async def chat(self, req: ChatRequest) -> Prepared:
+    async def chat(self, req: ChatRequest) -> list[Prepared]:
+        return [await self._chat(req)]
+
+    async def _chat(self, req: ChatRequest) -> Prepared:
         model = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")

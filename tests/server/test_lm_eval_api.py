@@ -1,6 +1,7 @@
 """Stock lm-evaluation-harness against a real `quantpipe serve`: its `local-completions`
 model (log-likelihoods from echoed prompt logprobs, tokenized by the server's own
-/tokenize) scores the shipped tasks as the in-process `quantpipe` model does, and its
+/tokenize, batches of prompts per request) scores the shipped tasks as the in-process
+`quantpipe` model does, and its
 `local-chat-completions` model generates what `LLM.chat` generates."""
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def test_local_completions_scores_as_the_in_process_model(server):
 
     from quantpipe.eval.lm_eval_model import QuantpipeLM
 
+    # batch_size 16: lm-eval sends 16 prompts per request, one response with 16 choices.
     out = _run("local-completions", f"base_url={server.url}/v1/completions,model={MODEL},tokenizer_backend=remote",
-               [TASK], limit=24)
+               [TASK], limit=24, batch_size=16)
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
     assert len(samples) == 24
     # The same (context, continuation) requests, scored in process in float32 as the server does.

@@ -152,6 +152,22 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, offline, prompts):
     assert plain.text.startswith("Hello") and plain.logprobs is None
 
 
+def test_several_prompts_in_one_request(client, offline, prompts):
+    """A list of prompts: one engine request each, one response whose choices follow the
+    prompts' order (as vLLM and OpenAI answer it); one bad prompt refuses them all, named."""
+    want = offline.generate(prompts[5:8], greedy())
+    got = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompts[5:8], max_tokens=MAX_TOKENS,
+                                    temperature=0)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [w.outputs[0].text for w in want]
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert got.usage.completion_tokens == sum(len(w.outputs[0].token_ids) for w in want)
+    with pytest.raises(openai.BadRequestError, match=r"prompt\[1\]: prompt token ids must be < the vocabulary"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=[[1, 2], [3, 999999]], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="stream: true takes one prompt per request"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=["a", "b"], max_tokens=2, stream=True)
+
+
 def test_tokenizer_endpoints_as_lm_eval_reads_them(server):
     import httpx
 

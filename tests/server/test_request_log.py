@@ -67,6 +67,11 @@ def test_every_request_logged_once_with_what_the_client_got(logged):
                                      extra_body={"metadata": {"task": "complete"}}, user="u-7")
     expect[cmpl.id] = ("ok", cmpl.choices[0].text)
 
+    # Several prompts in one request: a line per prompt, each holding its own prompt.
+    two = client.completions.create(model=MODEL, prompt=["Grass is", "Snow is"], max_tokens=6, temperature=0)
+    for i in range(2):
+        expect[f"{two.id}-{i}"] = ("ok", two.choices[i].text)
+
     parts = []
     for chunk in client.completions.create(model=MODEL, prompt="Water is", max_tokens=8, temperature=0,
                                            stream=True):
@@ -134,6 +139,7 @@ def test_every_request_logged_once_with_what_the_client_got(logged):
     assert by_id[chat.id]["usage"]["completion_tokens"] > 0 and by_id[chat.id]["timings"]["ttft_s"] > 0
     assert by_id[cmpl.id]["user"] == "u-7" and by_id[cmpl.id]["endpoint"] == "/v1/completions"
     assert by_id[cmpl.id]["metadata"] == {"task": "complete"}
+    assert [by_id[f"{two.id}-{i}"]["request"]["prompt"] for i in range(2)] == ["Grass is", "Snow is"]
     # The aborted stream: what the server handed out starts with what the client read.
     rec = by_id[aborted_id]
     assert rec["status"] == "aborted" and rec["output"]["text"].startswith(received)
