@@ -154,7 +154,8 @@ class Scheduler:
             self.waiting.pop(0)
             if fresh and req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
-                self.pool.record_query(req.num_prompt_tokens, req.num_computed_tokens)
+                if req.read_prefix_cache:  # a request that may not read the cache is no miss of it
+                    self.pool.record_query(req.num_prompt_tokens, req.num_computed_tokens)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING

@@ -209,6 +209,15 @@ def create_app(engine: LLMEngine, config: ServerConfig, model_names: list[str]) 
             body = await read_json(request)
             preps = await prepare(parse(model_cls, body))
             cost = sum(p.cost_tokens for p in preps)
+            if len(preps) > 1:  # a batch the queue could never hold is the request's fault: not a 429 to retry
+                if config.max_queued_requests is not None and len(preps) > config.max_queued_requests:
+                    raise bad(f"prompt: {len(preps)} prompts, more than the queue takes at once "
+                              f"(--max-queued-requests {config.max_queued_requests}); send fewer per request",
+                              "prompt")
+                if config.max_queued_tokens is not None and cost > config.max_queued_tokens:
+                    raise bad(f"prompt: these prompts cost {cost} tokens with their max_tokens, more than the "
+                              f"queue takes at once (--max-queued-tokens {config.max_queued_tokens}); send "
+                              f"fewer per request", "prompt")
             # Queue first: a request the queue refuses must not spend the caller's token budget.
             # No await from here to aengine.add(), so the checks and the reservation are atomic.
             full = aengine.try_admit(cost, config.max_queued_requests, config.max_queued_tokens, len(preps))
@@ -291,6 +300,8 @@ def create_app(engine: LLMEngine, config: ServerConfig, model_names: list[str]) 
                 pass
 
         tasks = [asyncio.ensure_future(collect(flight, stream)) for flight, stream, _ in subs]
+        for t in tasks:  # several can fail together (one deadline, one engine): each failure is read
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
         watch = asyncio.ensure_future(disconnected())
         pending = set(tasks)
         try:
@@ -304,27 +315,23 @@ def create_app(engine: LLMEngine, config: ServerConfig, model_names: list[str]) 
             for t in tasks:
                 if not t.done():
                     t.cancel()
-        failed = next(((t, flight) for t, (flight, _, _) in zip(tasks, subs)
-                       if t.done() and not t.cancelled() and t.exception() is not None), None)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
         if failed is None and not all(t.done() and not t.cancelled() for t in tasks):
             for flight, _, _ in subs:
                 flight.close("disconnect")
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
         if failed is not None:
-            task, flight = failed
-            exc = task.exception()
+            exc = failed.exception()
             if isinstance(exc, TimeoutError):
-                err = timeout_error()
+                why, err = "timeout", timeout_error()
                 err.headers = {"X-Request-Id": rid}
-                flight.close("timeout", err)
             elif isinstance(exc, EngineError):
-                err = APIError(exc.status, str(exc), reason="bad_request" if exc.status == 400 else None,
-                               headers={"X-Request-Id": rid})
-                flight.close("error", err)
+                why, err = "error", APIError(exc.status, str(exc), reason="bad_request" if exc.status == 400
+                                             else None, headers={"X-Request-Id": rid})
             else:
                 raise exc
-            for other, _, _ in subs:
-                other.close("disconnect")  # the rest of a failed request: aborted
+            for each, _, _ in subs:  # the failed one, and the rest of its request with it
+                each.close(why, err)
             raise err from None
         bodies = []
         for task, (flight, _, responder) in zip(tasks, subs):

@@ -50,6 +50,7 @@ BAD = [
     ("negative token id", C, {"prompt": [-1]}, 400, "prompt"),
     ("several prompts streamed", C, {"prompt": ["a", "b"], "stream": True}, 400, "stream"),
     ("too many prompts", C, {"prompt": ["a"] * 257}, 400, "prompt"),
+    ("more prompts than the queue holds", C, {"prompt": ["a"] * (MAX_QUEUED + 1)}, 400, "prompt"),
     ("one of several prompts bad", C, {"prompt": [[1], [99999999]]}, 400, "prompt"),
     ("unknown model", C, {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
     ("max_tokens zero", C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
