@@ -254,7 +254,9 @@ class LLMEngine:
         sched = self.scheduler.schedule(now)
         if not sched:
             return []
-        prompt_rows = [span for c in sched.chunks if (span := self._prompt_rows(c)) is not None]
+        # Only a chunk inside the prompt can owe prompt logprobs: decodes skip the lookup.
+        prompt_rows = [span for c in sched.chunks if c.start < c.request.num_prompt_tokens - 1
+                       and (span := self._prompt_rows(c)) is not None]
         sampled_chunks, logits = self.runner.execute(sched.chunks, prompt_rows)
         if prompt_rows:
             self._add_prompt_logprobs(prompt_rows, logits[len(sampled_chunks):])
@@ -356,4 +358,4 @@ class LLMEngine:
             num_preemptions=req.num_preemptions,
         )
         return RequestOutput(req.request_id, t.prompt, list(req.prompt_token_ids), [completion], req.is_finished,
-                             metrics, list(t.prompt_logprobs) if t.prompt_logprobs is not None else None)
+                             metrics, t.prompt_logprobs)  # complete before any output; never changed after
