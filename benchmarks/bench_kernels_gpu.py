@@ -116,9 +116,7 @@ def decode_tok_s(cfg, plan, scheme: tuple | None, batch: int, device, short: int
         p.data.normal_(0, 0.02)
     for norm in (m for m in model.modules() if type(m).__name__ == "RMSNorm"):
         norm.weight.data.fill_(1.0)
-    from quantpipe.runtime.model.llama import rope_inv_freq
-
-    model.rotary.inv_freq = rope_inv_freq(cfg).to(device)
+    model.reset_rope()
     if scheme:
         bits, group, act_bits = scheme
         names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]

@@ -86,10 +86,10 @@ def fold_scales(layer, s_qkv=None, s_gate_up=None, s_down=None, s_o=None) -> Non
     attn, mlp = layer.self_attn, layer.mlp
     with torch.no_grad():
         if s_qkv is not None:
-            layer.input_layernorm.weight.div_(s_qkv.to(layer.input_layernorm.weight.dtype))
+            layer.attn_in_norm.divide_(s_qkv)
             attn.qkv_proj.weight.mul_(s_qkv)
         if s_gate_up is not None:
-            layer.post_attention_layernorm.weight.div_(s_gate_up.to(layer.post_attention_layernorm.weight.dtype))
+            layer.mlp_in_norm.divide_(s_gate_up)
             mlp.gate_up_proj.weight.mul_(s_gate_up)
         if s_down is not None:
             inter = mlp.down_proj.in_features

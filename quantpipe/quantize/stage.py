@@ -132,8 +132,8 @@ def smooth(model, samples: list[list[int]], alpha: float) -> dict:
     multiplied by it, so the model computes the same function with tamer activations."""
     pairs = []
     for layer in model.layers:
-        pairs.append((layer.input_layernorm, layer.self_attn.qkv_proj))
-        pairs.append((layer.post_attention_layernorm, layer.mlp.gate_up_proj))
+        pairs.append((layer.attn_in_norm, layer.self_attn.qkv_proj))
+        pairs.append((layer.mlp_in_norm, layer.mlp.gate_up_proj))
     amax = {id(lin): torch.zeros(lin.in_features) for _, lin in pairs}
 
     def hook(module, inputs, output):
@@ -154,7 +154,7 @@ def smooth(model, samples: list[list[int]], alpha: float) -> dict:
         for norm, lin in pairs:
             w_max = lin.weight.abs().amax(0).clamp(min=1e-5)
             s = (amax[id(lin)].clamp(min=1e-5).pow(alpha) / w_max.pow(1 - alpha)).clamp(min=1e-5)
-            norm.weight.div_(s)
+            norm.divide_(s)
             lin.weight.mul_(s.unsqueeze(0))
             ratios.append(float(amax[id(lin)].max() / amax[id(lin)].median().clamp(min=1e-8)))
     return {"alpha": alpha, "pairs": len(pairs), "outlier_ratio_max": round(max(ratios), 2)}

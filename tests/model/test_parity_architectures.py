@@ -19,6 +19,13 @@ ARCHS = {
     "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
     "qwen2-bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3-qk-norm": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
+    # A 16-token window, so most prompts and decodes reach past it; a score scale other than head_dim's.
+    "gemma3-sliding-window": ("Gemma3TextConfig", dict(
+        tie_word_embeddings=True, head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=12, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 50000.0},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
+    )),
 }
 
 
@@ -36,6 +43,10 @@ def build(tmp_path, arch: str):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if arch.startswith("gemma3"):  # Gemma's norms start at zero (scale 1 + weight): make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.normal_(p, std=0.3)
     path = tmp_path / arch
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None
@@ -88,3 +99,50 @@ def test_unsupported_architecture_and_fields_are_refused(tmp_path):
         ModelConfig.from_hf({**base, "sliding_window": None, "rope_scaling": {"rope_type": "yarn", "factor": 2}})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf({**base, "sliding_window": None, "hidden_act": "gelu"})
+
+
+def test_gemma3_logprobs_match_hf_past_the_window(tmp_path):
+    """Greedy tokens of a small random model barely depend on a 16-token window, so this
+    compares log-probabilities: of prompt tokens (prefilled in 32-token chunks, each reading
+    the earlier ones from the cache), of generated tokens (decodes inside the window and past
+    it), and again with the prompts' blocks already cached."""
+    hf, path = build(tmp_path, "gemma3-sliding-window")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(320) for _ in range(n)] for n in (10, 40, 90, 150)]
+    llm = LLM(model=path, dtype="float32", device="cpu", max_num_batched_tokens=32)
+    scored = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1,
+                                                  prompt_logprobs=1))
+    cached = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1))
+    assert all(r.metrics.num_cached_tokens > 0 for r in cached[1:])
+    for ids, r in [*zip(prompts, scored), *zip(prompts, cached)]:
+        out = r.outputs[0]
+        full = ids + out.token_ids
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].double(), -1)
+        want = ref[torch.arange(len(full) - 1), torch.tensor(full[1:])]
+        got = [e.logprob for e in out.logprobs]
+        if r.prompt_logprobs is not None:
+            got = [e.logprob for e in r.prompt_logprobs[1:]] + got
+        else:
+            want = want[len(ids) - 1:]
+        diff = (torch.tensor(got, dtype=torch.float64) - want).abs().max()
+        assert diff < 1e-4, (len(ids), diff)
+
+
+def test_gemma3_config_fields_are_checked():
+    from quantpipe.runtime.model.config import ModelConfig
+
+    base = dict(architectures=["Gemma3ForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=8,
+                num_hidden_layers=2, num_attention_heads=2, sliding_window=4)
+    cfg = ModelConfig.from_hf({**base, "_sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 1e4})
+    assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.rope_local_theta == 1e4
+    for bad, match in [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping.*soft-capping"),
+        ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+        ({"layer_types": ["sliding_attention"]}, "layer_types must list 2"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must list 2"),
+        ({"sliding_window": None}, "sliding_window=None must be a positive integer"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}, "of type 'yarn'.*'linear'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf({**base, **bad})
