@@ -65,6 +65,18 @@ def test_default_recipe_is_a_ladder_of_valid_candidates():
     assert all(c.config.calibration_need() for c in r.candidates)
 
 
+@pytest.mark.parametrize("model, name", [
+    (None, "smollm2"), ("smollm2-135m", "smollm2"), ("gemma3-270m", "gemma3-270m"),
+    ("models:/team-model@champion", "team-model"), ("models:/team-model/3", "team-model"),
+    ("/data/My Model.Q4_K_M.gguf", "My-Model.Q4_K_M"), ("/data/llama-3.2-1b/", "llama-3.2-1b"),
+])
+def test_a_recipe_without_a_name_is_named_after_the_model(model, name):
+    from quantpipe.pipeline.run import model_name
+
+    assert model_name(model) == name
+    assert PipelineRecipe.load().name is None  # the default recipe: so MODEL=gemma3-270m writes gemma3-270m/
+
+
 @pytest.mark.parametrize("cfg, need", [
     ({"scheme": "W8A16", "method": "rtn"}, None),
     ({"scheme": "W4A16", "method": "awq"}, "AWQ"),

@@ -280,23 +280,65 @@ def read_config(path: str | os.PathLike) -> dict:
     return config
 
 
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
+
+
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, every tensor of its *.safetensors files); errors name the file."""
+    """(config.json, every tensor of its safetensors files); errors name the file.
+
+    A sharded checkpoint is read through its index: exactly the shards it names, each tensor
+    from the shard the index maps it to. Without an index every *.safetensors file is read,
+    and a tensor in two of them is refused (which one is meant is unknowable)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     config = read_config(path)
-    files = sorted(path.glob("*.safetensors"))
+    weight_map = _read_index(path / INDEX_FILE) if (path / INDEX_FILE).exists() else None
+    if weight_map is not None:
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{path / INDEX_FILE}: names shard {missing[0].name}, which is not in the folder")
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model folder {str(path)!r} has no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            state.update(load_file(f))
+            tensors = load_file(f)
         except SafetensorError as e:
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+        for name, t in tensors.items():
+            if weight_map is not None and weight_map.get(name) != f.name:
+                raise ValueError(f"{f}: holds tensor {name!r}, which {INDEX_FILE} maps to "
+                                 f"{weight_map.get(name) or 'no shard'}")
+            if name in state:
+                raise ValueError(f"{f}: tensor {name!r} is also in another *.safetensors file of the folder "
+                                 f"(and there is no {INDEX_FILE} to say which is meant)")
+            state[name] = t
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(state))
+        if absent:
+            raise ValueError(f"{path / INDEX_FILE}: maps tensor {absent[0]!r} to {weight_map[absent[0]]}, "
+                             "which does not hold it")
     return config, state
+
+
+def _read_index(f: Path) -> dict[str, str]:
+    try:
+        index = json.loads(f.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"{f}: not readable ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v.endswith(".safetensors") and "/" not in v
+            for k, v in weight_map.items()):
+        raise ValueError(f"{f}: weight_map must map tensor names to .safetensors files of the folder")
+    return weight_map
 
 
 # -- identity ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ CANDIDATE_FLAGS = ("scheme", "method", "group_size", "clip", "kv_cache", "bits_b
 @click.argument("model", required=False, default=None)
 @click.option("--recipe", default=None, help="pipeline recipe [default: evals/recipes/default.yaml]")
 @click.option("--name", default=None, help="artifacts/NAME/, reports/NAME/ and the registered model "
-                                           "[default: the recipe's name]")
+                                           "[default: the recipe's name; a recipe with name: null takes the model's]")
 @click.option("--scheme", type=click.Choice(SCHEMES), default=None,
               help="one candidate of this scheme instead of the recipe's candidates (so do the flags below)")
 @click.option("--method", type=click.Choice(METHODS), default=None, help="with --scheme [default: rtn]")

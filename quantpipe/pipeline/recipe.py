@@ -2,7 +2,7 @@
 
 One YAML file names every stage's configuration (llm-compressor's "a recipe is data"):
 
-    name: smollm2                 # artifacts/NAME/<candidate>, reports/NAME, the registered model
+    name: smollm2                 # artifacts/NAME/<candidate>, reports/NAME, the registered model (null: the model's)
     calibrate:                    # a calibrate recipe file, then any CalibConfig field over it;
       recipe: calib_sets/recipes/sample.yaml   # or `set: DIR`, an existing calibration set
     candidates:                   # each a full QuantConfig (any `quantpipe quantize` field), plus a name
@@ -71,7 +71,8 @@ class PipelineRecipe:
         if unknown:
             raise StageError(f"{where}: unknown section {unknown[0]!r}; known: {', '.join(SECTIONS)}")
         name = data.get("name", "quantpipe")
-        check_name(name, f"{where}: name")
+        if name is not None:  # null: named after the model (run.model_name)
+            check_name(name, f"{where}: name")
         calib = _section(data, "calibrate", where)
         kernels = _section(data, "kernels", where, allowed=("build",))
         ev = _section(data, "eval", where, allowed=("suite", "kv_tokens"))

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -89,6 +90,21 @@ class Run:
         click.echo(f"      {what} ({time.perf_counter() - t0:.1f} s)", err=True)
 
 
+DEFAULT_MODEL_NAME = "smollm2"
+
+
+def model_name(model: str | None) -> str:
+    """What a recipe without a name is called after: the registered model's name for
+    models:/NAME@ALIAS, a PyPI model's name, else the file's or folder's (the default model's
+    is "smollm2")."""
+    if model is None or model == "smollm2-135m":
+        return DEFAULT_MODEL_NAME
+    if model.startswith("models:/"):
+        return re.split(r"[@/]", model.removeprefix("models:/"), maxsplit=1)[0]
+    stem = Path(model.rstrip("/")).name.removesuffix(".gguf")
+    return re.sub(r"[^A-Za-z0-9._-]", "-", stem)[:100] or DEFAULT_MODEL_NAME
+
+
 def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
     """Exit code: 0 a candidate passed the whole gate (and was published unless publishing is
     off), 1 every candidate judged failed, 2 none passed and at least one could not be judged."""
@@ -97,6 +113,8 @@ def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
     from quantpipe.runtime.model.loader import resolve_model_path
 
     t_all = time.perf_counter()
+    if recipe.name is None:
+        recipe = replace(recipe, name=model_name(model))
     if model and model.startswith("models:/"):  # re-quantize a registered model's source with new traffic
         from quantpipe.registry import RegistryError, source_model
 

@@ -105,14 +105,32 @@ class IncrementalDetokenizer:
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 
+# Gemma's turn format, for Gemma GGUFs that carry no template (the 270M base model's): a system
+# message opens the first user turn, the assistant's role is "model". llama.cpp falls back to
+# the same format by name for these files.
+GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages and messages[0]['role'] == 'system' -%}
+{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set turns = messages[1:] -%}
+{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}
+{%- for m in turns -%}
+{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{ raise_exception('Gemma conversations alternate user and assistant turns, starting with user') }}
+{%- endif -%}
+{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n'
+   + (prefix if loop.first else '') + m['content'] | trim + '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"""
+
 
 def tokenizer_from_gguf(gguf) -> Tokenizer:
     """The tokenizer in a GGUF file's metadata (`gguf`: a `gguf_file.GGUFFile`)."""
     kind = gguf.get("tokenizer.ggml.model")
     tokens = gguf.metadata["tokenizer.ggml.tokens"]
     types = gguf.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    template = gguf.get("tokenizer.chat_template")
     if kind == "llama" and gguf.get("general.architecture") == "gemma3":
         backend, tokens = _gemma_backend(gguf, tokens, types)
+        template = template or GEMMA_CHAT_TEMPLATE
     elif kind == "gpt2":
         backend = _byte_level_backend(gguf, tokens, types)
     else:
@@ -125,7 +143,7 @@ def tokenizer_from_gguf(gguf) -> Tokenizer:
                 if t in END_OF_TURN_TOKENS and ty == CONTROL and i not in eos_ids]
     return Tokenizer(
         backend=backend,
-        chat_template=gguf.get("tokenizer.chat_template"),
+        chat_template=template,
         bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
         add_bos_token=bool(gguf.get("tokenizer.ggml.add_bos_token", False)),
         eos_token_ids=tuple(eos_ids),

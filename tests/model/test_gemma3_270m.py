@@ -58,3 +58,15 @@ def test_greedy_matches_hf_past_the_sliding_window(gguf, hf_model, corpus_prompt
     llm = LLM(model=gguf, dtype="float32", device="cpu", max_num_batched_tokens=128)
     got = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs])
     assert [r.outputs[0].token_ids for r in got] == ref
+
+
+def test_gemma_gguf_without_a_template_gets_gemmas_turn_format():
+    tok = load_tokenizer("gemma3-270m")
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+                                    {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}])
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+                    "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n")
+    ids = tok.encode(text)
+    assert ids[:3] == [2, 105, 2364] and ids.count(2) == 1  # one BOS, turn markers as single tokens
+    with pytest.raises(ValueError, match="alternate user and assistant"):
+        tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])

@@ -146,3 +146,14 @@ def test_gemma3_config_fields_are_checked():
     ]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf({**base, **bad})
+
+
+def test_sharded_hf_folder_loads_through_its_index(tmp_path):
+    hf, path = build(tmp_path, "llama-gqa-untied-llama3-rope")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    prompts, outs = workload(n=8)
+    llm = LLM(model=str(tmp_path / "sharded"), dtype="float32", device="cpu")
+    got = [r.outputs[0].token_ids for r in llm.generate(
+        prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs])]
+    assert got == hf_greedy(hf, prompts, outs)

@@ -3,6 +3,7 @@ exactly, and its hash is computed once per file yet never stale."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -109,4 +110,36 @@ def test_corrupt_checkpoint_files_are_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
     with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        artifact.load_checkpoint(tmp_path)
+
+
+def test_sharded_checkpoints_are_read_through_their_index(tmp_path):
+
+    (tmp_path / "config.json").write_text("{}")
+    a, b = {"x": torch.ones(2)}, {"y": torch.zeros(3)}
+    save_file(a, tmp_path / "model-00001-of-00002.safetensors")
+    save_file(b, tmp_path / "model-00002-of-00002.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+
+    def write_index(weight_map):
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    write_index({"x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors"})
+    save_file({"x": torch.full((2,), 7.0)}, tmp_path / "consolidated.safetensors")  # not in the index: not read
+    _, state = artifact.load_checkpoint(tmp_path)
+    assert set(state) == {"x", "y"} and state["x"].tolist() == [1.0, 1.0]
+    write_index({"x": "model-00001-of-00002.safetensors", "y": "model-00003-of-00002.safetensors"})
+    with pytest.raises(ValueError, match=r"index\.json: names shard model-00003-of-00002\.safetensors, which is not"):
+        artifact.load_checkpoint(tmp_path)
+    write_index({"x": "model-00002-of-00002.safetensors", "y": "model-00002-of-00002.safetensors"})
+    with pytest.raises(ValueError, match=r"index\.json: maps tensor 'x' to model-00002-of-00002\.safetensors, which"):
+        artifact.load_checkpoint(tmp_path)
+    write_index({"w": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors"})
+    with pytest.raises(ValueError, match=r"00001-of-00002\.safetensors: holds tensor 'x', which .* maps to no shard"):
+        artifact.load_checkpoint(tmp_path)
+    index.write_text('{"weight_map": {"x": "../elsewhere.safetensors"}}')
+    with pytest.raises(ValueError, match=r"index\.json: weight_map must map tensor names to \.safetensors files"):
+        artifact.load_checkpoint(tmp_path)
+    index.unlink()  # without an index, a tensor in two files is ambiguous
+    with pytest.raises(ValueError, match=r"tensor 'x' is also in another \*\.safetensors file"):
         artifact.load_checkpoint(tmp_path)
