@@ -37,6 +37,7 @@ NON_DEFAULT = {
     "sensitivity_tokens": ({"scheme": "mixed", "bits_budget": 5, "sensitivity_tokens": 64}, 64),
     "kv_cache": ({"kv_cache": "fp8"}, "fp8"),
     "kv_cache_strategy": ({"kv_cache": "int8", "kv_cache_strategy": "channel"}, "channel"),
+    "calibrate_all_experts": ({"method": "gptq", "calibrate_all_experts": True}, True),
 }
 
 
@@ -103,6 +104,8 @@ def test_the_quantize_config_says_what_needs_calibration(cfg, need):
     ({"candidates": [{"scheme": "W4A16", "act_order": 1}], "calibrate": CALIB},
      "candidates[0].act_order: must be true or false"),
     ({"candidates": [{"scheme": "mixed"}], "calibrate": CALIB}, "candidates[0]: scheme mixed needs bits_budget"),
+    ({"candidates": [{"scheme": "W4A16", "calibrate_all_experts": True}], "calibrate": CALIB},
+     "candidates[0]: calibrate_all_experts chooses the tokens of GPTQ's and AWQ's Hessians; method is 'rtn'"),
     ({"candidates": [{"scheme": "W8A16"}, {"scheme": "W8A16"}], "calibrate": CALIB},
      "candidates[1].name: 'w8a16-rtn' is used by another candidate"),
     ({"candidates": [{"scheme": "W8A16", "name": "a/b"}], "calibrate": CALIB}, "candidates[0].name must be"),

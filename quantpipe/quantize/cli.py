@@ -38,6 +38,9 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, 
 @click.option("--kv-cache-strategy", type=click.Choice(KV_STRATEGIES), default="token", show_default=True,
               help="token: a scale per token and KV head at run time; channel: static, one per KV head and "
                    "channel, from --calib")
+@click.option("--calibrate-all-experts", is_flag=True,
+              help="MoE, GPTQ/AWQ: each expert's Hessian from every calibration token of its layer, not only the "
+                   "ones routed to it")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="scales and unquantized tensors")
 @click.option("--out", required=True, help="artifact folder (written only when complete)")

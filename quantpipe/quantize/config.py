@@ -50,6 +50,10 @@ class QuantConfig:
     sensitivity_tokens: int = 128
     kv_cache: str = "none"  # K/V storage the artifact is served with: int8 or fp8
     kv_cache_strategy: str = "token"  # token: scales per token and KV head at run time; channel: static, calibrated
+    # Mixture of experts, GPTQ/AWQ: every expert's Hessian from every calibration token of its
+    # layer, not only the tokens the router sends it (the layer's output still follows the
+    # router). An expert the calibration set seldom reaches is otherwise quantized nearly blind.
+    calibrate_all_experts: bool = False
 
     @classmethod
     def from_dict(cls, data, where: str = "quantize") -> QuantConfig:
@@ -122,6 +126,9 @@ class QuantConfig:
                              f"per-channel W8); got {self.group_size}")
         if not 0 < self.dampening < 1:
             raise StageError(f"dampening must be in (0, 1), got {self.dampening}")
+        if self.calibrate_all_experts and self.method not in ("gptq", "awq"):
+            raise StageError(f"calibrate_all_experts chooses the tokens of GPTQ's and AWQ's Hessians; method is "
+                             f"{self.method!r}")
         if self.block_size < 1:
             raise StageError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("calib_samples", "calib_seq_len"):
@@ -162,6 +169,6 @@ _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "c
           "dampening": (int, float), "block_size": int, "act_order": bool, "calib_samples": int,
           "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str, "smoothquant_alpha": (int, float),
           "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
-          "kv_cache_strategy": str}
+          "kv_cache_strategy": str, "calibrate_all_experts": bool}
 _OPTIONAL = {"group_size", "smoothquant_alpha", "bits_budget"}  # null is a value of these
 assert set(_TYPES) == {f.name for f in dataclasses.fields(QuantConfig)}, "every field needs a type for from_dict"

@@ -42,11 +42,12 @@ from quantpipe.quantize import awq
 from quantpipe.quantize.config import QuantConfig
 from quantpipe.quantize.gptq import HessianError, gptq
 from quantpipe.quantize.rtn import WeightScheme, rtn
+from quantpipe.runtime.model.config import checkpoint_name, fused_linears, routers
 from quantpipe.runtime.model.export import export_tokenizer, hf_config, hf_state_dict
 from quantpipe.runtime.model.forward import SequencePass
+from quantpipe.runtime.model.llama import SparseMoE
 
 log = logging.getLogger("quantpipe.quantize")
-LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 @dataclass
@@ -111,19 +112,22 @@ def _split_rows(qw: QuantWeight, sizes: list[int]) -> list[QuantWeight]:
     return out
 
 
-def _hf_parts(model, name: str) -> list[tuple[str, int]]:
-    """HF module names (and row counts) that our fused module `name` stands for."""
+def _hf_parts(model, name: str) -> list[tuple[str, int | None]]:
+    """Checkpoint module names (and row counts) that our fused module `name` stands for."""
     cfg = model.config
     if name == "lm_head":
         return [("lm_head", cfg.vocab_size)]
-    i = name.split(".")[1]
-    base = f"model.layers.{i}."
-    if name.endswith("qkv_proj"):
+    i, local = int(name.split(".")[1]), name.split(".", 2)[2]
+    parts = dict(fused_linears(cfg, i))[local]
+    if local.endswith("qkv_proj"):
         qs, kvs = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return [(base + "self_attn.q_proj", qs), (base + "self_attn.k_proj", kvs), (base + "self_attn.v_proj", kvs)]
-    if name.endswith("gate_up_proj"):
-        return [(base + "mlp.gate_proj", cfg.intermediate_size), (base + "mlp.up_proj", cfg.intermediate_size)]
-    return [(base + name.split(".", 2)[2], None)]
+        sizes = [qs, kvs, kvs]
+    elif local.endswith("gate_up_proj"):
+        inter = model.get_submodule(name).out_features // 2
+        sizes = [inter, inter]
+    else:
+        sizes = [None]
+    return [("model." + checkpoint_name(cfg, f"layers.{i}.{p}"), n) for p, n in zip(parts, sizes)]
 
 
 def smooth(model, samples: list[list[int]], alpha: float) -> dict:
@@ -165,27 +169,63 @@ def smooth(model, samples: list[list[int]], alpha: float) -> dict:
 GPTQ_CLIP_SHRINKS = {4: awq.SHRINKS, 8: tuple(1 - 0.01 * i for i in range(21))}
 
 
-def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs) -> dict[str, torch.Tensor]:
-    """H = 2 X^T X / n (float32) of each Linear in `mods` of layer i, over every calibration token reaching it."""
+def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer, all_experts: bool = False
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """H = 2 X^T X / n (float32) of each Linear in `mods` of layer i over the calibration tokens
+    reaching it, and how many tokens the router sent it (experts see only theirs).
+
+    `all_experts`: each expert's H is taken over every token of the layer (each expert also
+    runs on all of them, its outputs discarded); the layer's output still follows the router."""
     hs = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in mods.items()}
-    count = {"n": 0}
+    rows = dict.fromkeys(mods, 0)
+    routed = dict.fromkeys(mods, 0)
+    probing = {"on": False}  # inside the all-experts pass
 
     def hook(name):
+        expert = ".experts." in name
+
         def f(module, inputs, output):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1])
+            if not probing["on"]:
+                routed[name] += x.shape[0]
+                if expert and all_experts:  # its H comes from the all-experts pass
+                    return
             # float64 throughout: float32 products per sequence (2x faster) lowered GPTQ's
             # top-1 agreement by 0.7 points on the CI gate's W4A16 candidate, past its tolerance.
-            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            x = x.double()
             hs[name].add_(x.t() @ x)
+            rows[name] += x.shape[0]
         return f
 
+    def probe(moe, inputs):
+        probing["on"] = True
+        try:
+            for expert in moe.experts:
+                expert(inputs[0])
+        finally:
+            probing["on"] = False
+
     handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
+    if all_experts and isinstance(layer.mlp, SparseMoE):
+        handles.append(layer.mlp.register_forward_pre_hook(probe))
     with torch.inference_mode():
         for p, x in zip(passes, xs):
             p.layer(i, x)
-            count["n"] += x.shape[0]
     for hnd in handles:
         hnd.remove()
-    return {n: (2 * h / count["n"]).float() for n, h in hs.items()}
+    return {n: (2 * h / max(rows[n], 1)).float() for n, h in hs.items()}, routed
+
+
+def _expert_report(cfg, i: int, mods: dict[str, torch.nn.Module], routed: dict[str, int],
+                   all_experts: bool) -> dict | None:
+    """Tokens the router sent each expert of layer i, and the experts under the floor (2 x the
+    largest input size of its Linears: fewer tokens than GPTQ's Hessian needs)."""
+    if i not in cfg.moe_layers:
+        return None
+    tokens = [routed.get(f"mlp.experts.{e}.gate_up_proj", 0) for e in range(cfg.num_experts)]
+    floor = 2 * max(m.in_features for n, m in mods.items() if ".experts." in n)
+    return {"tokens_per_expert": tokens, "floor": floor, "under_floor": [e for e, n in enumerate(tokens) if n < floor],
+            "hessian_tokens": "every token of the layer" if all_experts else "tokens routed to the expert"}
 
 
 def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme | None], cfg: QuantConfig,
@@ -201,9 +241,13 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
     out: dict[str, QuantWeight] = {}
     damp_used: dict[str, float] = {}
     awq_found: dict[str, dict] = {}
+    experts: dict[str, dict] = {}
     for i, layer in enumerate(model.layers):
-        mods = {n: layer.get_submodule(n) for n in LINEARS if schemes.get(f"layers.{i}.{n}")}
-        hs = _layer_hessians(i, mods, passes, xs)
+        mods = {n: layer.get_submodule(n) for n, _ in fused_linears(model.config, i) if schemes.get(f"layers.{i}.{n}")}
+        hs, routed = _layer_hessians(i, mods, passes, xs, layer, cfg.calibrate_all_experts)
+        report = _expert_report(model.config, i, mods, routed, cfg.calibrate_all_experts)
+        if report is not None:
+            experts[f"layers.{i}"] = report
         if cfg.method == "awq":
             # H/2 = X^T X / n is what AWQ's output error needs; the factor 2 does not change a search.
             local = {n: schemes[f"layers.{i}.{n}"] for n in mods}
@@ -211,7 +255,11 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
             awq_found.update({f"layers.{i}.{n}": v for n, v in found.items()})
         for local_name, mod in mods.items():
             name, scheme = f"layers.{i}.{local_name}", schemes[f"layers.{i}.{local_name}"]
-            if cfg.method == "awq":
+            if ".experts." in local_name and not torch.any(hs[local_name].diagonal()):  # no token reached it
+                q, scale, zero = rtn(mod.weight, scheme, cfg.clip)
+                scale = scale.to(scale_dtype).float()
+                experts[f"layers.{i}"].setdefault("rtn_without_tokens", []).append(local_name)
+            elif cfg.method == "awq":
                 q, scale, zero = awq.quantize_clipped(mod.weight.float(), hs[local_name], scheme, scale_dtype)
             else:
                 shrink = None
@@ -235,7 +283,7 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
         sch = schemes["lm_head"]
         qw = rtn(model.lm_head.weight, sch)
         out["lm_head"] = QuantWeight(qw[0], qw[1].to(scale_dtype).float(), qw[2], sch.num_bits, sch.group_size)
-    return out, damp_used, awq_found
+    return out, damp_used, awq_found, experts
 
 
 def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, overwrite: bool = False,
@@ -257,7 +305,12 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     except (ValueError, FileNotFoundError) as e:
         raise StageError(f"model: {e}") from None
     phases["load_s"] = time.perf_counter() - t_start
-    names = [f"layers.{i}.{n}" for i in range(mcfg.num_layers) for n in LINEARS]
+    if mcfg.moe_layers and (cfg.method == "awq" or (cfg.scheme == "W8A8" and cfg.smoothquant_alpha is not None)):
+        # Their scales fold into the norm before the MLP, which a MoE layer shares between its router and experts.
+        raise StageError(f"{'AWQ' if cfg.method == 'awq' else 'SmoothQuant'} is not supported on mixture-of-experts "
+                         f"models ({mcfg.architecture}) yet: use --method gptq or rtn"
+                         + (", and --no-smoothquant" if cfg.scheme == "W8A8" else ""))
+    names = [f"layers.{i}.{n}" for i in range(mcfg.num_layers) for n, _ in fused_linears(mcfg, i)]
     if cfg.quantize_lm_head:
         if mcfg.tie_word_embeddings:
             raise StageError("quantize_lm_head: this model ties lm_head to the embeddings, which stay unquantized")
@@ -280,6 +333,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     w8a8 = cfg.scheme == "W8A8"
     static_kv = cfg.kv_cache != "none" and cfg.kv_cache_strategy == "channel"
     awq_found: dict[str, dict] = {}
+    experts: dict[str, dict] = {}
     what = cfg.calibration_need()
     samples: list[list[int]] = []
     if what:
@@ -327,7 +381,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             raise StageError(f"--calib {calib}: {got} calibration tokens; {cfg.method.upper()} needs at least {need} "
                              f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
         calib_info["samples"], calib_info["tokens"] = len(samples), got
-        quantized, damp_used, awq_found = _layerwise(net, samples, scheme_map, cfg, scale_dtype)
+        quantized, damp_used, awq_found, experts = _layerwise(net, samples, scheme_map, cfg, scale_dtype)
     else:
         quantized = {}
         for n in names:
@@ -344,7 +398,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     layers_table = {}
     fmt = "int-quantized" if w8a8 else "pack-quantized"
     hf_names_by_scheme: dict[WeightScheme, list[str]] = {}
-    kept = [] if "lm_head" in names else ["lm_head"]
+    kept = ([] if "lm_head" in names else ["lm_head"]) + ["model." + checkpoint_name(mcfg, r) for r in routers(mcfg)]
     for name in names:
         qw, sch = quantized.get(name), scheme_map[name]
         if qw is None:
@@ -406,6 +460,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             f"{cfg.kv_cache} static per KV head and channel (calibrated)" if static_kv else
             f"{cfg.kv_cache} per token and KV head, dynamic",
             "mixed_precision": sensitivity,
+            "experts": experts or None,  # MoE with GPTQ/AWQ: tokens routed to each expert, per layer
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},
             "time_s": {k: round(v, 2) for k, v in phases.items()},

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 GEMMA3 = "Gemma3ForCausalLM"
+MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 
 
@@ -37,10 +39,21 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_local_theta: float | None = None
     query_pre_attn_scalar: int | float | None = None  # scores scaled by its -1/2 power; None: head_dim's
+    # Mixture of experts: the layers in moe_layers replace their MLP by num_experts experts of
+    # moe_intermediate_size, num_experts_per_tok of them per token, picked by a router.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the picked experts' router probabilities renormalized to sum to 1
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def is_gemma3(self) -> bool:
         return self.architecture == GEMMA3
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture in MOE
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING
@@ -58,9 +71,9 @@ class ModelConfig:
         _refuse(cfg, "hidden_act", lambda v: v not in (None, "silu"), "only silu is supported")
         _refuse(cfg, "mlp_bias", lambda v: bool(v), "MLP bias is not supported")
         _refuse(cfg, "pretraining_tp", lambda v: v not in (None, 1), "only 1 is supported")
-        if arch == "MistralForCausalLM":
+        if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             _refuse(cfg, "sliding_window", lambda v: v is not None, "sliding-window attention is not supported")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             _refuse(cfg, "use_sliding_window", lambda v: bool(v), "sliding-window attention is not supported")
         # transformers >= 5 writes rope_parameters; older configs rope_theta + rope_scaling.
         rope_params = cfg.get("rope_parameters") or {}
@@ -72,8 +85,30 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            **(_moe(cfg, arch) if arch in MOE else {}),
         )
+
+
+def _moe(cfg: dict, arch: str) -> dict:
+    n = cfg["num_hidden_layers"]
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    top_k = cfg.get("num_experts_per_tok")
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"config field num_experts={experts!r} must be a positive integer")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"config field num_experts_per_tok={top_k!r} must be an integer in [1, {experts}]")
+    if arch == "MixtralForCausalLM":  # every layer sparse; experts as wide as the dense MLP; always renormalized
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["intermediate_size"],
+                    norm_topk_prob=True, moe_layers=tuple(range(n)))
+    _refuse(cfg, "shared_expert_intermediate_size", lambda v: bool(v), "shared experts are not supported")
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"config field decoder_sparse_step={step!r} must be a positive integer")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0))
 
 
 def _common(cfg: dict, arch: str) -> dict:
@@ -148,6 +183,43 @@ def _gemma3(cfg: dict) -> ModelConfig:
         rope_local_theta=local_theta,
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
     )
+
+
+def fused_linears(cfg: ModelConfig, layer: int) -> list[tuple[str, tuple[str, ...]]]:
+    """Layer `layer`'s quantizable Linears: (our fused module's local name, the local names of
+    the checkpoint's modules it fuses). A mixture-of-experts layer lists each expert's; its
+    router stays in high precision and is not listed."""
+    out = [("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+           ("self_attn.o_proj", ("self_attn.o_proj",))]
+    mlps = [f"mlp.experts.{e}." for e in range(cfg.num_experts)] if layer in cfg.moe_layers else ["mlp."]
+    for m in mlps:
+        out += [(m + "gate_up_proj", (m + "gate_proj", m + "up_proj")), (m + "down_proj", (m + "down_proj",))]
+    return out
+
+
+def routers(cfg: ModelConfig) -> list[str]:
+    return [f"layers.{i}.mlp.gate" for i in cfg.moe_layers]
+
+
+_MIXTRAL_TO_OURS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_OURS_TO_MIXTRAL = {v: k for k, v in _MIXTRAL_TO_OURS.items()}
+
+
+def checkpoint_name(cfg: ModelConfig, name: str) -> str:
+    """Our unfused module or tensor name as the architecture's checkpoints spell it: Mixtral
+    calls the MoE block block_sparse_moe and its experts' Linears w1 (gate), w3 (up), w2 (down)."""
+    if cfg.architecture != "MixtralForCausalLM":
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    return re.sub(r"(\.experts\.\d+)\.(gate_proj|up_proj|down_proj)\b", lambda m: f"{m[1]}.{_OURS_TO_MIXTRAL[m[2]]}", name)
+
+
+def our_name(cfg: ModelConfig, name: str) -> str:
+    """The inverse of checkpoint_name."""
+    if cfg.architecture != "MixtralForCausalLM":
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return re.sub(r"(\.experts\.\d+)\.(w[123])\b", lambda m: f"{m[1]}.{_MIXTRAL_TO_OURS[m[2]]}", name)
 
 
 def _refuse(cfg: dict, field: str, is_bad, why: str) -> None:

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from quantpipe.runtime.model.config import ModelConfig
+from quantpipe.runtime.model.config import ModelConfig, checkpoint_name
 from quantpipe.runtime.model.llama import LlamaForCausalLM
 from quantpipe.runtime.model.tokenizer import Tokenizer
 
@@ -17,7 +17,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     out = {
         "architectures": [cfg.architecture],
         "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}[cfg.architecture],
+                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text",
+                       "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}[cfg.architecture],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -27,8 +28,15 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "hidden_act": cfg.hidden_act, "torch_dtype": str(dtype).removeprefix("torch."),
         "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)[:1] or None,
     }
-    if cfg.architecture == "MistralForCausalLM":
+    if cfg.architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         out["sliding_window"] = None
+    if cfg.architecture == "Qwen3MoeForCausalLM":
+        dense = [i for i in range(cfg.num_layers) if i not in cfg.moe_layers]
+        out.update({"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+                    "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
+                    "decoder_sparse_step": 1, "mlp_only_layers": dense})
+    if cfg.architecture == "MixtralForCausalLM":
+        out.update({"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok})
     if cfg.is_gemma3:
         # transformers 5 reads rope_parameters per layer type; older readers (vLLM's) rope_theta,
         # rope_local_base_freq and rope_scaling.
@@ -45,8 +53,13 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
 
 
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our state dict with the checkpoint's names: fused q/k/v and gate/up split again."""
     cfg = model.config
     out = {}
+
+    def put(name: str, t: torch.Tensor) -> None:
+        out[name if name == "lm_head.weight" else "model." + checkpoint_name(cfg, name)] = t.contiguous()
+
     for name, t in model.state_dict().items():
         if name.startswith("rotary.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
@@ -54,15 +67,13 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             q, k, v = t.split([cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                                cfg.num_kv_heads * cfg.head_dim], dim=0)
             for part, w in zip("qkv", (q, k, v)):
-                out["model." + name.replace("qkv_proj", f"{part}_proj")] = w.contiguous()
+                put(name.replace("qkv_proj", f"{part}_proj"), w)
         elif "gate_up_proj" in name:
             gate, up = t.chunk(2, dim=0)
-            out["model." + name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
-            out["model." + name.replace("gate_up_proj", "up_proj")] = up.contiguous()
-        elif name == "lm_head.weight":
-            out[name] = t.contiguous()
+            put(name.replace("gate_up_proj", "gate_proj"), gate)
+            put(name.replace("gate_up_proj", "up_proj"), up)
         else:
-            out["model." + name] = t.contiguous()
+            put(name, t)
     return out
 
 

@@ -139,10 +139,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -157,13 +158,58 @@ class GeGLU(MLP):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
+class SparseMoE(nn.Module):
+    """Mixture of experts (Qwen3-MoE, Mixtral): a router (`gate`, kept in high precision by
+    quantization) picks num_experts_per_tok experts per token; each expert is an MLP.
+
+    Dispatch is batched by expert: the (token, expert) pairs are sorted by expert, so each
+    expert that any token picked runs one GEMM over all of its tokens, and its outputs,
+    weighted by the router, are added back in expert order (as the reference adds them).
+    `routed` (when set) receives each expert's token count per call: calibration reports it.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.weights_in_float32 = cfg.architecture == "MixtralForCausalLM"  # Qwen3-MoE rounds them to the model dtype
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.routed: torch.Tensor | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) of each token's picked experts."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.weights_in_float32 else weights.to(x.dtype)), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        if self.routed is not None:
+            self.routed += counts.to(self.routed.device)
+        tokens, pair_weights = order // self.top_k, weights.flatten()[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                rows = tokens[start:start + n]
+                y = self.experts[e](x[rows]) * pair_weights[start:start + n]
+                out.index_add_(0, rows, y.to(x.dtype))
+                start += n
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if layer in cfg.moe_layers else MLP(cfg)
 
     # The norms whose outputs q/k/v and gate/up read (AWQ and SmoothQuant fold scales into them).
     @property

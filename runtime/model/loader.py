@@ -14,7 +14,7 @@ import torch
 
 from quantpipe.formats import artifact
 from quantpipe.formats.artifact import QuantWeight
-from quantpipe.runtime.model.config import FULL, SLIDING, ModelConfig
+from quantpipe.runtime.model.config import FULL, SLIDING, ModelConfig, checkpoint_name, fused_linears, our_name
 from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
 from quantpipe.runtime.model.llama import LlamaForCausalLM, model_class
 from quantpipe.runtime.model.quantized import swap_linears
@@ -85,8 +85,7 @@ def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     """HF parameter names to ours: strip `model.`, fuse q/k/v and gate/up."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        name = name.removeprefix("model.")
-        out[name] = t
+        out[our_name(cfg, name.removeprefix("model."))] = t
     for i in range(cfg.num_layers):
         a = f"layers.{i}.self_attn."
         for kind in ("weight", "bias"):
@@ -95,10 +94,12 @@ def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
                 out[f"{a}qkv_proj.{kind}"] = torch.cat(parts, 0)
             elif any(p is not None for p in parts):
                 raise ValueError(f"layer {i}: q/k/v {kind} tensors are incomplete")
-        m = f"layers.{i}.mlp."
-        if f"{m}gate_proj.weight" in out or f"{m}up_proj.weight" in out:  # absent when quantized
-            out[f"{m}gate_up_proj.weight"] = torch.cat([out.pop(f"{m}gate_proj.weight"),
-                                                        out.pop(f"{m}up_proj.weight")], 0)
+        mlps = [f"layers.{i}.mlp.experts.{e}." for e in range(cfg.num_experts)] if i in cfg.moe_layers \
+            else [f"layers.{i}.mlp."]
+        for m in mlps:
+            if f"{m}gate_proj.weight" in out or f"{m}up_proj.weight" in out:  # absent when quantized
+                out[f"{m}gate_up_proj.weight"] = torch.cat([out.pop(f"{m}gate_proj.weight"),
+                                                            out.pop(f"{m}up_proj.weight")], 0)
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["embed_tokens.weight"]
@@ -111,14 +112,11 @@ def quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConfi
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
     out: dict[str, QuantWeight] = {}
     for i in range(cfg.num_layers):
-        for ours, parts in ((f"layers.{i}.self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj",
-                                                              "self_attn.v_proj")),
-                            (f"layers.{i}.self_attn.o_proj", ("self_attn.o_proj",)),
-                            (f"layers.{i}.mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
-                            (f"layers.{i}.mlp.down_proj", ("mlp.down_proj",))):
-            got = [artifact.read_quantized(state, qcfg, f"{prefix}layers.{i}.{p}") for p in parts]
+        for ours, parts in fused_linears(cfg, i):
+            got = [artifact.read_quantized(state, qcfg, prefix + checkpoint_name(cfg, f"layers.{i}.{p}"))
+                   for p in parts]
             if all(g is not None for g in got):
-                out[ours] = QuantWeight.cat(got) if len(got) > 1 else got[0]
+                out[f"layers.{i}.{ours}"] = QuantWeight.cat(got) if len(got) > 1 else got[0]
             elif any(g is not None for g in got):
                 raise ValueError(f"layer {i}: {', '.join(parts)} must all be quantized or none (they run fused)")
     head = artifact.read_quantized(state, qcfg, "lm_head")

@@ -27,12 +27,19 @@ ARCHS = {
                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
     )),
 }
+# Mixtures of experts: 8 (4) experts, 2 per token; Qwen3-MoE with a dense layer after its sparse one.
+MOE_ARCHS = {
+    "qwen3-moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None)),
+}
 
 
 def build(tmp_path, arch: str):
     import transformers
 
-    cls_name, extra = ARCHS[arch]
+    cls_name, extra = {**ARCHS, **MOE_ARCHS}[arch]
     cfg = getattr(transformers, cls_name)(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, **extra,
@@ -43,6 +50,10 @@ def build(tmp_path, arch: str):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if arch in MOE_ARCHS:  # a router that starts at zero ties every expert: give it preferences
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                torch.nn.init.normal_(p, std=0.5)
     if arch.startswith("gemma3"):  # Gemma's norms start at zero (scale 1 + weight): make them matter
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -65,13 +76,13 @@ def workload(seed=0, n=64):
     return prompts, outs
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", list(ARCHS) + list(MOE_ARCHS))
 def test_greedy_matches_hf(tmp_path, arch):
     hf, path = build(tmp_path, arch)
     prompts, outs = workload()
     ref = hf_greedy(hf, prompts, outs)
     # ~10 blocks hold one long request: a budget of 40 blocks forces preemptions.
-    per_block = 2 * 2 * 16 * 2 * (32 if "qwen3" in arch else 16) * 4
+    per_block = 2 * 2 * 16 * 2 * (getattr(hf.config, "head_dim", None) or 16) * 4
     llm = LLM(model=path, dtype="float32", device="cpu", max_num_batched_tokens=64, kv_cache_memory=40 * per_block)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
     results = llm.generate(prompts, params)
