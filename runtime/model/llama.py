@@ -165,7 +165,6 @@ class SparseMoE(nn.Module):
     Dispatch is batched by expert: the (token, expert) pairs are sorted by expert, so each
     expert that any token picked runs one GEMM over all of its tokens, and its outputs,
     weighted by the router, are added back in expert order (as the reference adds them).
-    `routed` (when set) receives each expert's token count per call: calibration reports it.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -174,7 +173,6 @@ class SparseMoE(nn.Module):
         self.weights_in_float32 = cfg.architecture == "MixtralForCausalLM"  # Qwen3-MoE rounds them to the model dtype
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
-        self.routed: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of each token's picked experts."""
@@ -189,8 +187,6 @@ class SparseMoE(nn.Module):
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts))
-        if self.routed is not None:
-            self.routed += counts.to(self.routed.device)
         tokens, pair_weights = order // self.top_k, weights.flatten()[order].unsqueeze(1)
         out = torch.zeros_like(x)
         start = 0
