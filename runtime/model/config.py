@@ -26,7 +26,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # llama3, or linear (Gemma 3's global layers)
+    rope_scaling: dict | None = None  # llama3, yarn, or linear (Gemma 3's global layers)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
@@ -79,7 +79,12 @@ class ModelConfig:
         rope_params = cfg.get("rope_parameters") or {}
         rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
         rope_scaling = _rope_scaling(cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None),
-                                     ("llama3",))
+                                     ("llama3", "yarn"))
+        if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+            rope_scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+            if rope_scaling.get("factor") is None:
+                rope_scaling["factor"] = cfg.get("max_position_embeddings", 2048) / rope_scaling[
+                    "original_max_position_embeddings"]
         return cls(
             **_common(cfg, arch),
             rope_theta=rope_theta,

@@ -65,6 +65,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     s = None if local else cfg.rope_scaling
     if s and s["rope_type"] == "linear":  # positions divided by the factor
         inv_freq = inv_freq / s["factor"]
+    elif s and s["rope_type"] == "yarn":
+        inv_freq = _yarn_inv_freq(d, theta, s)
     elif s:  # llama3: stretch low frequencies, keep high ones, blend in between
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
@@ -77,16 +79,56 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     return inv_freq
 
 
+def _yarn_inv_freq(d: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by the factor), those that turn more than beta_fast times kept, a
+    linear ramp between (float32, as the reference)."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_of(rotations):  # the dimension at which a frequency turns `rotations` times over old_len
+        return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, d, 2).float() / d)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_attention_factor(s: dict | None) -> float:
+    """YaRN's scale on cos and sin (its attention temperature); 1 for every other rope type."""
+    if not s or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return float(mscale(s["factor"], s["mscale"]) / mscale(s["factor"], s["mscale_all_dim"]))
+    return mscale(s["factor"])
+
+
 class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig, local: bool = False):
         super().__init__()
         self.local = local
+        self.attention_factor = 1.0 if local else rope_attention_factor(cfg.rope_scaling)
         self.register_buffer("inv_freq", rope_inv_freq(cfg, local), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)  # [T, 1, D]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)  # [T, 1, D]
 
 
 class Rope(NamedTuple):

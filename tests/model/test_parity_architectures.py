@@ -27,6 +27,11 @@ ARCHS = {
                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
     )),
 }
+# YaRN rope scaling (Qwen's long-context setting), over an original context of 64.
+ARCHS_ROPE = {
+    "qwen3-yarn": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})),
+}
 # Mixtures of experts: 8 (4) experts, 2 per token; Qwen3-MoE with a dense layer after its sparse one.
 MOE_ARCHS = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -39,7 +44,7 @@ MOE_ARCHS = {
 def build(tmp_path, arch: str):
     import transformers
 
-    cls_name, extra = {**ARCHS, **MOE_ARCHS}[arch]
+    cls_name, extra = {**ARCHS, **ARCHS_ROPE, **MOE_ARCHS}[arch]
     cfg = getattr(transformers, cls_name)(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, **extra,
@@ -76,7 +81,7 @@ def workload(seed=0, n=64):
     return prompts, outs
 
 
-@pytest.mark.parametrize("arch", list(ARCHS) + list(MOE_ARCHS))
+@pytest.mark.parametrize("arch", list(ARCHS) + list(ARCHS_ROPE) + list(MOE_ARCHS))
 def test_greedy_matches_hf(tmp_path, arch):
     hf, path = build(tmp_path, arch)
     prompts, outs = workload()
@@ -96,6 +101,22 @@ def test_greedy_matches_hf(tmp_path, arch):
     assert pool.num_free == pool.num_blocks
 
 
+@pytest.mark.parametrize("arch", list(ARCHS) + list(ARCHS_ROPE) + list(MOE_ARCHS))
+def test_logits_match_hf(tmp_path, arch):
+    """Teacher-forced float32 logits over 200 positions (past the YaRN model's original 64 and
+    the Gemma model's window of 16): greedy tokens of random models can hide a difference."""
+    from quantpipe.runtime.model.forward import sequence_logits
+    from quantpipe.runtime.model.loader import load_model
+
+    hf, path = build(tmp_path, arch)
+    ids = [random.Random(i).randrange(320) for i in range(200)]
+    model, _, _ = load_model(path, torch.float32)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+        got = sequence_logits(model, ids)
+    assert (got - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max())), (got - ref).abs().max()
+
+
 def test_unsupported_architecture_and_fields_are_refused(tmp_path):
 
     from quantpipe.runtime.model.config import ModelConfig
@@ -106,8 +127,8 @@ def test_unsupported_architecture_and_fields_are_refused(tmp_path):
                 num_hidden_layers=1, num_attention_heads=2)
     with pytest.raises(ValueError, match="sliding_window"):
         ModelConfig.from_hf({**base, "sliding_window": 4096})
-    with pytest.raises(ValueError, match="rope_scaling of type 'yarn'"):
-        ModelConfig.from_hf({**base, "sliding_window": None, "rope_scaling": {"rope_type": "yarn", "factor": 2}})
+    with pytest.raises(ValueError, match="rope_scaling of type 'longrope' is not supported .only 'llama3', 'yarn'"):
+        ModelConfig.from_hf({**base, "sliding_window": None, "rope_scaling": {"rope_type": "longrope", "factor": 2}})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf({**base, "sliding_window": None, "hidden_act": "gelu"})
 
