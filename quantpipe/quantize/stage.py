@@ -102,6 +102,12 @@ def _token_samples(texts: list[str], tokenizer, cfg: QuantConfig) -> list[list[i
     return out
 
 
+def _rtn(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype, clip: str = "minmax") -> QuantWeight:
+    """Round to nearest, the scale stored in the artifact's dtype."""
+    q, scale, zero = rtn(w, scheme, clip)
+    return QuantWeight(q, scale.to(scale_dtype).float(), zero, scheme.num_bits, scheme.group_size)
+
+
 def _split_rows(qw: QuantWeight, sizes: list[int]) -> list[QuantWeight]:
     out, start = [], 0
     for s in sizes:
@@ -216,14 +222,13 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
     return {n: (2 * h / max(rows[n], 1)).float() for n, h in hs.items()}, routed
 
 
-def _expert_report(cfg, i: int, mods: dict[str, torch.nn.Module], routed: dict[str, int],
-                   all_experts: bool) -> dict | None:
+def _expert_report(cfg, i: int, routed: dict[str, int], all_experts: bool) -> dict | None:
     """Tokens the router sent each expert of layer i, and the experts under the floor (2 x the
     largest input size of its Linears: fewer tokens than GPTQ's Hessian needs)."""
     if i not in cfg.moe_layers:
         return None
     tokens = [routed.get(f"mlp.experts.{e}.gate_up_proj", 0) for e in range(cfg.num_experts)]
-    floor = 2 * max(m.in_features for n, m in mods.items() if ".experts." in n)
+    floor = 2 * max(cfg.hidden_size, cfg.moe_intermediate_size)
     return {"tokens_per_expert": tokens, "floor": floor, "under_floor": [e for e, n in enumerate(tokens) if n < floor],
             "hessian_tokens": "every token of the layer" if all_experts else "tokens routed to the expert"}
 
@@ -245,7 +250,7 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
     for i, layer in enumerate(model.layers):
         mods = {n: layer.get_submodule(n) for n, _ in fused_linears(model.config, i) if schemes.get(f"layers.{i}.{n}")}
         hs, routed = _layer_hessians(i, mods, passes, xs, layer, cfg.calibrate_all_experts)
-        report = _expert_report(model.config, i, mods, routed, cfg.calibrate_all_experts)
+        report = _expert_report(model.config, i, routed, cfg.calibrate_all_experts)
         if report is not None:
             experts[f"layers.{i}"] = report
         if cfg.method == "awq":
@@ -256,11 +261,11 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
         for local_name, mod in mods.items():
             name, scheme = f"layers.{i}.{local_name}", schemes[f"layers.{i}.{local_name}"]
             if ".experts." in local_name and not torch.any(hs[local_name].diagonal()):  # no token reached it
-                q, scale, zero = rtn(mod.weight, scheme, cfg.clip)
-                scale = scale.to(scale_dtype).float()
+                qw = _rtn(mod.weight, scheme, scale_dtype, cfg.clip)
                 experts[f"layers.{i}"].setdefault("rtn_without_tokens", []).append(local_name)
             elif cfg.method == "awq":
                 q, scale, zero = awq.quantize_clipped(mod.weight.float(), hs[local_name], scheme, scale_dtype)
+                qw = QuantWeight(q, scale, zero, scheme.num_bits, scheme.group_size)
             else:
                 shrink = None
                 if cfg.clip == "mse":
@@ -272,7 +277,7 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
                 except HessianError as e:
                     raise StageError(f"{name}: {e}") from None
                 damp_used[name] = used
-            qw = QuantWeight(q, scale, zero, scheme.num_bits, scheme.group_size)
+                qw = QuantWeight(q, scale, zero, scheme.num_bits, scheme.group_size)
             out[name] = qw
             with torch.no_grad():  # later layers calibrate on this layer's quantized outputs
                 mod.weight.copy_(qw.dequantize(mod.weight.dtype))
@@ -281,8 +286,7 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
         log.info("%s layer %d/%d done", cfg.method.upper(), i + 1, len(model.layers))
     if schemes.get("lm_head"):
         sch = schemes["lm_head"]
-        qw = rtn(model.lm_head.weight, sch)
-        out["lm_head"] = QuantWeight(qw[0], qw[1].to(scale_dtype).float(), qw[2], sch.num_bits, sch.group_size)
+        out["lm_head"] = _rtn(model.lm_head.weight, sch, scale_dtype)
     return out, damp_used, awq_found, experts
 
 
@@ -388,8 +392,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             sch = scheme_map[n]
             if sch is None:
                 continue
-            q, scale, zero = rtn(net.get_submodule(n).weight, sch, cfg.clip)
-            quantized[n] = QuantWeight(q, scale.to(scale_dtype).float(), zero, sch.num_bits, sch.group_size)
+            quantized[n] = _rtn(net.get_submodule(n).weight, sch, scale_dtype, cfg.clip)
     phases["quantize_s"] = time.perf_counter() - t
 
     # -- the checkpoint: unfused HF names, packed integers, scales in the artifact dtype ----
@@ -460,7 +463,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             f"{cfg.kv_cache} static per KV head and channel (calibrated)" if static_kv else
             f"{cfg.kv_cache} per token and KV head, dynamic",
             "mixed_precision": sensitivity,
-            "experts": experts or None,  # MoE with GPTQ/AWQ: tokens routed to each expert, per layer
+            "experts": experts or None,  # MoE with GPTQ: tokens routed to each expert, per layer
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},
             "time_s": {k: round(v, 2) for k, v in phases.items()},

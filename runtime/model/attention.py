@@ -55,6 +55,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     # (q [B, H, D], cache, block_table, context_lens, block_size) -> [B, H, D]; None: gather + GEMMs
     decode_kernel: Callable | None = None
+    # Sliding-window masks of this step, built by the first local layer and read by the others:
+    # ("decode" | "prefill", index, window) -> mask, or None where the window cuts nothing.
+    window_masks: dict = field(default_factory=dict)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -76,10 +79,41 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d).to(q.dtype)
 
 
-def _window_band(q_pos: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
-    """[len(q_pos), num_keys] True where key position j is inside the window of the query at q_pos."""
+def _causal_band(q_pos: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+    """[len(q_pos), num_keys] True where key position j is at most q_pos and within its window."""
     j = torch.arange(num_keys, device=q_pos.device).unsqueeze(0)
-    return j > q_pos.unsqueeze(1) - window
+    p = q_pos.unsqueeze(1)
+    return (j <= p) & (j > p - window)
+
+
+def _decode_window_mask(meta: AttentionMetadata, i: int, window: int) -> torch.Tensor | None:
+    """Decode group i's [B, 1, 1, L] mask under the window; None when every context fits in it."""
+    key = ("decode", i, window)
+    if key not in meta.window_masks:
+        g = meta.decodes[i]
+        mask = None
+        if int(g.context_lens.max()) > window:
+            lens = g.context_lens.unsqueeze(1)
+            mask = _causal_band(lens - 1, g.block_table.shape[1] * meta.block_size, window)[:, None, None, :]
+        meta.window_masks[key] = mask
+    return meta.window_masks[key]
+
+
+def _prefill_window_mask(meta: AttentionMetadata, i: int, window: int) -> torch.Tensor | None:
+    """Prefill span i's mask under the window (its queries are the last q_len of its ctx_len
+    positions); None when its context fits in the window."""
+    key = ("prefill", i, window)
+    if key not in meta.window_masks:
+        span = meta.prefills[i]
+        mask = None
+        if span.ctx_len > window:
+            q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=meta.slot_mapping.device)
+            if span.block_table is None:  # keys are the span's own tokens
+                mask = _causal_band(q_pos, span.q_len, window)
+            else:
+                mask = span.mask & _causal_band(q_pos, span.mask.shape[-1], window)
+        meta.window_masks[key] = mask
+    return meta.window_masks[key]
 
 
 def paged_attention(
@@ -93,40 +127,28 @@ def paged_attention(
     k, v = cache.write(meta.slot_mapping, k, v)  # as a read returns them: 8-bit caches round them
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
-    for g in meta.decodes:
+    for i, g in enumerate(meta.decodes):
         rows = slice(g.q_start, g.q_start + g.count)
-        windowed = window is not None and int(g.context_lens.max()) > window
-        if meta.decode_kernel is not None and not windowed:
+        band = _decode_window_mask(meta, i, window) if window is not None else None
+        if meta.decode_kernel is not None and band is None:
             out[rows] = meta.decode_kernel(q[rows], cache, g.block_table, g.context_lens, meta.block_size)
             continue
         kd, vd = cache.gather(g.block_table, meta.block_size)  # [B, L, KVH, D]
-        mask = g.mask
-        if mask is None or windowed:  # the kernel path builds no mask; the window narrows it
-            keys = torch.arange(kd.shape[1], device=q.device).unsqueeze(0)
-            lens = g.context_lens.unsqueeze(1)
-            mask = (keys < lens) & (keys >= lens - window if windowed else True)
-            mask = mask[:, None, None, :]
-        out[rows] = _decode_attention(q[rows], kd, vd, mask)
-    for span in meta.prefills:
+        out[rows] = _decode_attention(q[rows], kd, vd, g.mask if band is None else band)
+    for i, span in enumerate(meta.prefills):
         rows = slice(span.q_start, span.q_start + span.q_len)
         # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel.
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        windowed = window is not None and span.ctx_len > window
+        band = _prefill_window_mask(meta, i, window) if window is not None else None
         if span.block_table is None:
             kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
-            if windowed:
-                q_pos = torch.arange(span.q_len, device=q.device)
-                band = _window_band(q_pos, span.q_len, window) & torch.ones(
-                    span.q_len, span.q_len, dtype=torch.bool, device=q.device).tril()
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=band, enable_gqa=gqa)
-            else:
+            if band is None:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=band, enable_gqa=gqa)
         else:
             kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in cache.gather(span.block_table, meta.block_size))
-            mask = span.mask
-            if windowed:  # the span's queries are the last q_len positions of its ctx_len
-                q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=q.device)
-                mask = mask & _window_band(q_pos, mask.shape[-1], window)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=gqa)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask if band is None else band,
+                                                enable_gqa=gqa)
         out[rows] = op[0].transpose(0, 1)
     return out

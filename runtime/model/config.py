@@ -51,10 +51,6 @@ class ModelConfig:
     def is_gemma3(self) -> bool:
         return self.architecture == GEMMA3
 
-    @property
-    def is_moe(self) -> bool:
-        return self.architecture in MOE
-
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING
 

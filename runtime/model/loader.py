@@ -87,19 +87,16 @@ def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     for name, t in state.items():
         out[our_name(cfg, name.removeprefix("model."))] = t
     for i in range(cfg.num_layers):
-        a = f"layers.{i}.self_attn."
-        for kind in ("weight", "bias"):
-            parts = [out.pop(f"{a}{p}_proj.{kind}", None) for p in "qkv"]
-            if all(p is not None for p in parts):
-                out[f"{a}qkv_proj.{kind}"] = torch.cat(parts, 0)
-            elif any(p is not None for p in parts):
-                raise ValueError(f"layer {i}: q/k/v {kind} tensors are incomplete")
-        mlps = [f"layers.{i}.mlp.experts.{e}." for e in range(cfg.num_experts)] if i in cfg.moe_layers \
-            else [f"layers.{i}.mlp."]
-        for m in mlps:
-            if f"{m}gate_proj.weight" in out or f"{m}up_proj.weight" in out:  # absent when quantized
-                out[f"{m}gate_up_proj.weight"] = torch.cat([out.pop(f"{m}gate_proj.weight"),
-                                                            out.pop(f"{m}up_proj.weight")], 0)
+        for ours, parts in fused_linears(cfg, i):
+            if len(parts) == 1:
+                continue
+            for kind in ("weight", "bias"):  # both absent when the layer is quantized (or has no bias)
+                got = [out.pop(f"layers.{i}.{p}.{kind}", None) for p in parts]
+                if all(t is not None for t in got):
+                    out[f"layers.{i}.{ours}.{kind}"] = torch.cat(got, 0)
+                elif any(t is not None for t in got):
+                    label = "/".join(p.rsplit(".", 1)[-1].removesuffix("_proj") for p in parts)
+                    raise ValueError(f"layer {i}: {label} {kind} tensors are incomplete")
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["embed_tokens.weight"]
