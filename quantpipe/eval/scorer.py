@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from quantpipe.runtime.model.forward import sequence_logits
 
@@ -62,29 +61,58 @@ class QualityScores:
         return {s: self.summary(idx) for s, idx in sorted(groups.items())}
 
 
-ROWS = 16  # positions per chunk of the float64 statistics: 16 x vocab fits in cache (3x faster than whole texts)
+# Entries of one chunk of rows (positions x vocabulary): 2 MiB of float32, so a chunk's
+# temporaries stay in cache. Gemma 3's 262,144-entry vocabulary at 16 rows a chunk took
+# 4.2x the time of 2 rows (BENCHMARKS.md, "Eval cost").
+CHUNK_ENTRIES = 1 << 19
+
+
+def chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_ENTRIES // vocab)
+
+
+def _exp_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For float32 logits [R, V]: each row's max m, its index, exp(x - m), and log of the
+    row sum of exp(x - m) in float64 (log s: the log-sum-exp is m + log s)."""
+    m, top1 = x.max(-1, keepdim=True)
+    e = (x - m).exp_()
+    return m.double(), top1, e, e.sum(-1, keepdim=True, dtype=torch.float64).log()
 
 
 @torch.inference_mode()
 def token_stats_many(base_logits: torch.Tensor, cand_logits: list[torch.Tensor], ids: list[int]) -> list[TokenStats]:
     """Per-token statistics of each candidate against the baseline, from float32 logits
-    [T-1, V] for the text `ids`. What depends on the baseline alone (its log-probabilities,
-    top-1, NLL) is computed once per chunk of rows and serves every candidate."""
+    [T-1, V] for the text `ids`. What depends on the baseline alone is computed once per
+    chunk of rows and serves every candidate.
+
+    The passes over the vocabulary run in float32 and only per-row quantities in float64,
+    arranged so that nothing large cancels. With d = baseline logit - candidate logit,
+        KL = E_pb[d] - (lse_b - lse_c),   lse_b - lse_c = (m_b - m_c) + (log s_b - log s_c)
+    (m a row's max, s = sum exp(logit - m) >= 1). No log-probability of magnitude ~20 is
+    ever formed in float32, where its rounding (2e-6) would exceed a good candidate's
+    typical per-token KL, and the row sums accumulate in float64. What is left is the
+    float32 rounding of exp and of logit differences: a test holds KL and NLL to a float64
+    log-softmax within 1e-7 per token (plus 1e-6 of the KL). Half the time of a float64
+    log-softmax (BENCHMARKS.md, "Eval cost"). Top-5: the baseline's top-1 is in the
+    candidate's top 5 unless 5 entries score strictly above it.
+    """
     target = torch.tensor(ids[1:]).unsqueeze(1)
     parts: list[dict[str, list]] = [defaultdict(list) for _ in cand_logits]
-    for r in range(0, len(target), ROWS):
-        lb = F.log_softmax(base_logits[r: r + ROWS].double(), -1)
-        pb = lb.exp()
-        t = target[r: r + ROWS]
-        top1 = lb.argmax(-1)
-        nll_base = -lb.gather(1, t).squeeze(1)
+    rows = chunk_rows(base_logits.shape[-1])
+    for r in range(0, len(target), rows):
+        xb, t = base_logits[r: r + rows], target[r: r + rows]
+        mb, top1, eb, log_sb = _exp_parts(xb)
+        sb = log_sb.exp()
+        nll_base = (mb - xb.gather(1, t).double() + log_sb).squeeze(1)
         for logits, out in zip(cand_logits, parts):
-            lc = F.log_softmax(logits[r: r + ROWS].double(), -1)
+            xc = logits[r: r + rows]
+            mc, top1_c, _, log_sc = _exp_parts(xc)
+            mean_d = (eb * (xb - xc)).sum(-1, keepdim=True, dtype=torch.float64) / sb  # E_pb[d]
             out["nll_base"].append(nll_base)
-            out["nll_cand"].append(-lc.gather(1, t).squeeze(1))
-            out["kl"].append((pb * (lb - lc)).sum(-1).clamp(min=0))
-            out["agree"].append((top1 == lc.argmax(-1)).double())
-            out["top5_miss"].append((~(lc.topk(5, -1).indices == top1.unsqueeze(1)).any(-1)).double())
+            out["nll_cand"].append((mc - xc.gather(1, t).double() + log_sc).squeeze(1))
+            out["kl"].append((mean_d - (mb - mc) - (log_sb - log_sc)).squeeze(1).clamp(min=0))
+            out["agree"].append((top1 == top1_c).squeeze(1).double())
+            out["top5_miss"].append(((xc > xc.gather(1, top1)).sum(-1) >= 5).double())
     return [TokenStats(**{k: torch.cat(v).numpy() for k, v in out.items()}) for out in parts]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from quantpipe.eval.scorer import ROWS, score, score_many, token_stats
+from quantpipe.eval.scorer import chunk_rows, score, score_many, token_stats
 from quantpipe.runtime.model.forward import sequence_logits
 from quantpipe.runtime.model.loader import load_model
 from tests.model.test_parity_architectures import build
@@ -60,15 +60,44 @@ def test_damage_shows_up(tmp_path):
         w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * w.std())
     s = score(base, cand, IdTokenizer(), _texts()).summary()
     assert s["kl_mean"] > 0.01 and s["top1_agreement"] < 1.0 and s["ppl_delta_pct"] != 0
-    # Texts longer than one chunk of the statistics: the chunked rows equal one pass.
-    long = " ".join(str(i % 320) for i in range(3 * ROWS + 5))
-    ids = IdTokenizer().encode(long)
     with torch.no_grad():
+        ids = IdTokenizer().encode(_texts(1)[0])
         lb, lc = sequence_logits(base, ids)[:-1], sequence_logits(cand, ids)[:-1]
-    chunked = token_stats(lb, lc, ids)
-    pb, pc = F.log_softmax(lb.double(), -1), F.log_softmax(lc.double(), -1)
-    assert np.allclose(chunked.kl, (pb.exp() * (pb - pc)).sum(-1).clamp(min=0).numpy(), rtol=1e-9, atol=1e-12)
-    assert (chunked.agree == (pb.argmax(-1) == pc.argmax(-1)).double().numpy()).all()
+    broken = _check_against_float64(lb, lc, ids)
+    assert broken.kl.mean() > 10 and 0 < broken.top5_miss.mean() < 1
+
+
+def _check_against_float64(lb: torch.Tensor, lc: torch.Tensor, ids: list[int]):
+    """token_stats against a float64 log-softmax over every entry, for the candidate `lc` and
+    for logits far out of range (a broken candidate: KL in the tens): float32 passes with
+    float64 row sums stay within 1e-7 per token plus 1e-6 of the KL (float32 rounding of
+    logits in the hundreds), and never overflow."""
+    target = torch.tensor(ids[1:]).unsqueeze(1)
+    for cand_logits in (lc, lb * 40 - lc * 25):
+        got = token_stats(lb, cand_logits, ids)
+        pb, pc = F.log_softmax(lb.double(), -1), F.log_softmax(cand_logits.double(), -1)
+        kl = (pb.exp() * (pb - pc)).sum(-1).clamp(min=0).numpy()
+        assert np.allclose(got.kl, kl, rtol=1e-6, atol=1e-7)
+        assert np.allclose(got.nll_base, -pb.gather(1, target).squeeze(1).numpy(), rtol=0, atol=1e-7)
+        assert np.allclose(got.nll_cand, -pc.gather(1, target).squeeze(1).numpy(), rtol=0, atol=1e-7)
+        assert (got.agree == (pb.argmax(-1) == pc.argmax(-1)).double().numpy()).all()
+        in_top5 = (pc.topk(5, -1).indices == pb.argmax(-1, keepdim=True)).any(-1)
+        assert (got.top5_miss == (~in_top5).double().numpy()).all()
+    return got
+
+
+def test_statistics_of_a_large_vocabulary_in_chunks():
+    """A vocabulary of 2^17 entries is scored a few positions at a time (chunk_rows); rows
+    across chunk boundaries get what one float64 pass over all of them gives."""
+    vocab = 1 << 17
+    ids = [i * 7919 % vocab for i in range(3 * chunk_rows(vocab) + 6)]
+    g = torch.Generator().manual_seed(0)
+    lb = torch.randn(len(ids) - 1, vocab, generator=g) * 3
+    lc = lb + torch.randn(lb.shape, generator=g) * 0.05
+    lc[::2] += torch.randn(lc[::2].shape, generator=g) * 3  # every other position far off: some top-5 misses
+    assert chunk_rows(vocab) < len(ids) // 3
+    broken = _check_against_float64(lb, lc, ids)
+    assert broken.kl.mean() > 10 and 0 < broken.top5_miss.mean() < 1
 
 
 def test_perplexity_is_hf_transformers_loss_on_the_same_tokens(tmp_path):
