@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from quantpipe.quantize.rtn import WeightScheme, dequantize, qparams, quantize
+from quantpipe.runtime.model.llama import SparseMoE
 
 ALPHAS = tuple(i / 20 for i in range(20))
 SHRINKS = tuple(1 - 0.05 * i for i in range(10))
@@ -39,14 +40,23 @@ def fake_quant(w: torch.Tensor, scheme: WeightScheme, shrink=1.0) -> torch.Tenso
     return dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme)
 
 
-def search_scale(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, float, float]:
-    """(s [K], alpha, error(alpha) / error(0)): the input-channel scale with the least output error."""
-    mag = h.diagonal().clamp(min=0).sqrt()
-    best = None
+def search_scale(ws: list[torch.Tensor], hs: list[torch.Tensor], schemes: list[WeightScheme],
+                 tokens: list[float] | None = None) -> tuple[torch.Tensor, float, float]:
+    """(s [K], alpha, error(alpha) / error(0)): the input-channel scale with the least output
+    error, shared by the Linears `ws` that read one input (one Linear, or every expert of a
+    MoE layer). Each Linear's error is weighted by `tokens`, the calibration tokens its H
+    averages over (an expert's share of the layer's traffic); the magnitudes are the
+    token-weighted mean of the H diagonals. Linears with no tokens add no error."""
+    tokens = tokens or [1.0] * len(ws)
+    live = [(w, h, sch, n) for w, h, sch, n in zip(ws, hs, schemes, tokens) if n > 0]
+    if not live:  # no Linear of the group saw a token: nothing to weigh a scale by
+        return torch.ones(ws[0].shape[1]), 0.0, 1.0
+    mag = (sum(n * h.diagonal() for _, h, _, n in live) / sum(n for *_, n in live)).clamp(min=0).sqrt()
+    best, base = None, 0.0
     for alpha in ALPHAS:
         s = mag.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        err = output_error(w, fake_quant(w * s, scheme) / s, h).sum().item()
+        err = sum(n * output_error(w, fake_quant(w * s, sch) / s, h).sum().item() for w, h, sch, n in live)
         if best is None or err < best[0]:
             best = (err, s, alpha)
         if alpha == 0:
@@ -82,19 +92,28 @@ def quantize_clipped(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, sca
 
 
 def fold_scales(layer, s_qkv=None, s_gate_up=None, s_down=None, s_o=None) -> None:
-    """Multiply each Linear's input channels by its s and divide the producer of that input by s."""
+    """Multiply each Linear's input channels by its s and divide the producer of that input by s.
+
+    In a MoE layer `s_gate_up` is shared: the norm before the MLP feeds the router and every
+    expert, so the router's weight takes s too (its logits are unchanged; it stays in high
+    precision), and `s_down` is a list with one scale per expert (None: left as it is)."""
     attn, mlp = layer.self_attn, layer.mlp
+    experts = list(mlp.experts) if isinstance(mlp, SparseMoE) else [mlp]
     with torch.no_grad():
         if s_qkv is not None:
             layer.attn_in_norm.divide_(s_qkv)
             attn.qkv_proj.weight.mul_(s_qkv)
         if s_gate_up is not None:
             layer.mlp_in_norm.divide_(s_gate_up)
-            mlp.gate_up_proj.weight.mul_(s_gate_up)
-        if s_down is not None:
-            inter = mlp.down_proj.in_features
-            mlp.gate_up_proj.weight[inter:].div_(s_down[:, None])  # silu(gate) * up: scale up's outputs
-            mlp.down_proj.weight.mul_(s_down)
+            if isinstance(mlp, SparseMoE):
+                mlp.gate.weight.mul_(s_gate_up)
+            for e in experts:
+                e.gate_up_proj.weight.mul_(s_gate_up)
+        for e, s in zip(experts, s_down if isinstance(s_down, list) else [s_down]):
+            if s is not None:
+                inter = e.down_proj.in_features
+                e.gate_up_proj.weight[inter:].div_(s[:, None])  # act(gate) * up: scale up's outputs
+                e.down_proj.weight.mul_(s)
         if s_o is not None:  # attention output channel c is a mix of v's channel c
             v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
             attn.qkv_proj.weight[v_rows].div_(s_o[:, None])
@@ -103,23 +122,35 @@ def fold_scales(layer, s_qkv=None, s_gate_up=None, s_down=None, s_o=None) -> Non
             attn.o_proj.weight.mul_(s_o)
 
 
-def scale_layer(layer, hessians: dict[str, torch.Tensor], schemes: dict[str, WeightScheme | None]) -> dict:
+def scale_layer(layer, hessians: dict[str, torch.Tensor], schemes: dict[str, WeightScheme | None],
+                tokens: dict[str, int] | None = None) -> dict:
     """Search and fold the scales of one decoder layer; returns {linear: alpha, error ratio}.
 
     `hessians` and `schemes` are keyed by the layer's module names (self_attn.qkv_proj,
-    ...); hessians are transformed in place to the scaled inputs (H / s s^T).
+    ...); hessians are transformed in place to the scaled inputs (H / s s^T). In a MoE
+    layer the experts' gate/up projections share one scale, searched over all of them
+    with each expert's error weighted by `tokens` (the calibration tokens routed to it),
+    and each expert's down projection gets its own (AutoAWQ's grouping for Mixtral).
     """
     attn = layer.self_attn
-    found, chosen = {}, {}
-    targets = {"self_attn.qkv_proj": "s_qkv", "mlp.gate_up_proj": "s_gate_up", "mlp.down_proj": "s_down"}
+    moe = isinstance(layer.mlp, SparseMoE)
+    mlp_names = [f"mlp.experts.{e}" for e in range(len(layer.mlp.experts))] if moe else ["mlp"]
+    groups = {"s_qkv": ["self_attn.qkv_proj"], "s_gate_up": [f"{m}.gate_up_proj" for m in mlp_names]}
+    groups.update({f"s_down.{k}": [f"{m}.down_proj"] for k, m in enumerate(mlp_names)})
     if attn.num_heads == attn.num_kv_heads:  # with GQA, o's input channels share v's: no single scale
-        targets["self_attn.o_proj"] = "s_o"
-    for name, arg in targets.items():
-        if schemes.get(name) is None:
+        groups["s_o"] = ["self_attn.o_proj"]
+    found, chosen = {}, {}
+    for arg, names in groups.items():
+        names = [n for n in names if schemes.get(n) is not None]
+        if not names:
             continue
-        s, alpha, ratio = search_scale(layer.get_submodule(name).weight.float(), hessians[name], schemes[name])
+        s, alpha, ratio = search_scale([layer.get_submodule(n).weight.float() for n in names],
+                                       [hessians[n] for n in names], [schemes[n] for n in names],
+                                       [tokens.get(n, 0) for n in names] if moe and tokens else None)
         chosen[arg] = s
-        found[name] = {"alpha": alpha, "error_ratio": round(ratio, 4)}
-        hessians[name] = hessians[name] / (s[:, None] * s[None, :])
-    fold_scales(layer, **chosen)
+        for n in names:
+            found[n] = {"alpha": alpha, "error_ratio": round(ratio, 4)}
+            hessians[n] = hessians[n] / (s[:, None] * s[None, :])
+    downs = [chosen.pop(f"s_down.{k}", None) for k in range(len(mlp_names))]
+    fold_scales(layer, s_down=downs if moe else downs[0], **chosen)
     return found

@@ -256,7 +256,7 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
         if cfg.method == "awq":
             # H/2 = X^T X / n is what AWQ's output error needs; the factor 2 does not change a search.
             local = {n: schemes[f"layers.{i}.{n}"] for n in mods}
-            found = awq.scale_layer(layer, hs, local)
+            found = awq.scale_layer(layer, hs, local, routed)
             awq_found.update({f"layers.{i}.{n}": v for n, v in found.items()})
         for local_name, mod in mods.items():
             name, scheme = f"layers.{i}.{local_name}", schemes[f"layers.{i}.{local_name}"]
@@ -309,11 +309,10 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     except (ValueError, FileNotFoundError) as e:
         raise StageError(f"model: {e}") from None
     phases["load_s"] = time.perf_counter() - t_start
-    if mcfg.moe_layers and (cfg.method == "awq" or (cfg.scheme == "W8A8" and cfg.smoothquant_alpha is not None)):
-        # Their scales fold into the norm before the MLP, which a MoE layer shares between its router and experts.
-        raise StageError(f"{'AWQ' if cfg.method == 'awq' else 'SmoothQuant'} is not supported on mixture-of-experts "
-                         f"models ({mcfg.architecture}) yet: use --method gptq or rtn"
-                         + (", and --no-smoothquant" if cfg.scheme == "W8A8" else ""))
+    if mcfg.moe_layers and cfg.scheme == "W8A8" and cfg.smoothquant_alpha is not None:
+        # Its migration would fold into the norm that feeds the router and every expert, which is built for AWQ only.
+        raise StageError(f"SmoothQuant is not supported on mixture-of-experts models ({mcfg.architecture}) yet: "
+                         f"use --no-smoothquant")
     names = [f"layers.{i}.{n}" for i in range(mcfg.num_layers) for n, _ in fused_linears(mcfg, i)]
     if cfg.quantize_lm_head:
         if mcfg.tie_word_embeddings:

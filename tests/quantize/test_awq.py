@@ -28,23 +28,29 @@ def build_mha(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa-untied-llama3-rope", "qwen2-bias", "mha"])
+@pytest.mark.parametrize("arch", ["llama-gqa-untied-llama3-rope", "qwen2-bias", "mha", "qwen3-moe", "mixtral"])
 def test_folding_scales_leaves_the_function_unchanged(tmp_path, arch):
+    """In a MoE layer the experts' gate/up share one scale, which the router takes too, and
+    each expert's down projection has its own."""
     src = build_mha(tmp_path) if arch == "mha" else build(tmp_path, arch)[1]
     model, cfg, _ = load_model(src, torch.float32)
     ref = sequence_logits(model, IDS)
+    routers = [model.layers[i].mlp.gate.weight.clone() for i in cfg.moe_layers]
     g = torch.Generator().manual_seed(1)
 
     def scales(n):
         return torch.exp(torch.randn(n, generator=g))  # spread over about e^-2 .. e^2
 
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        awq.fold_scales(layer, s_qkv=scales(cfg.hidden_size), s_gate_up=scales(cfg.hidden_size),
-                        s_down=scales(cfg.intermediate_size),
+        moe = i in cfg.moe_layers
+        s_down = [scales(cfg.moe_intermediate_size) for _ in range(cfg.num_experts)] if moe \
+            else scales(cfg.intermediate_size)
+        awq.fold_scales(layer, s_qkv=scales(cfg.hidden_size), s_gate_up=scales(cfg.hidden_size), s_down=s_down,
                         s_o=scales(attn.q_size) if attn.num_heads == attn.num_kv_heads else None)
     got = sequence_logits(model, IDS)
     assert not torch.equal(model.layers[0].input_layernorm.weight, torch.ones(cfg.hidden_size))
+    assert all(not torch.equal(model.layers[i].mlp.gate.weight, r) for i, r in zip(cfg.moe_layers, routers))
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
 
 
@@ -57,7 +63,7 @@ def test_searches_lower_the_activation_weighted_error():
     h = x.t() @ x / len(x)
     scheme = WeightScheme(4, 64, True)
     rtn_err = awq.output_error(w, awq.fake_quant(w, scheme), h).sum().item()
-    s, alpha, ratio = awq.search_scale(w, h, scheme)
+    s, alpha, ratio = awq.search_scale([w], [h], [scheme])
     assert alpha > 0 and ratio < 0.9
     scaled_err = awq.output_error(w, awq.fake_quant(w * s, scheme) / s, h).sum().item()
     assert scaled_err == pytest.approx(ratio * rtn_err, rel=1e-4)

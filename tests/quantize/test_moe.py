@@ -1,6 +1,6 @@
 """Mixture-of-experts quantization on small random Qwen3-MoE and Mixtral models: artifacts
 that compressed-tensors and HF transformers read back, GPTQ with each expert's own Hessian,
-and the report of which experts the calibration tokens reached."""
+AWQ's scales across experts, and the report of which experts the calibration tokens reached."""
 
 from __future__ import annotations
 
@@ -71,16 +71,23 @@ def mean_logit_error(model, base, texts) -> float:
     return sum(float(((sequence_logits(model, t) - sequence_logits(base, t)) ** 2).mean()) for t in texts) / len(texts)
 
 
-def test_gptq_with_each_experts_hessian_beats_rtn_and_reports_what_the_router_sent(tmp_path):
-    _, src = build(tmp_path, "qwen3-moe")
-    calib = token_ids(24, 64, 0)
-    gptq = quantize(src, QuantConfig(**W4, method="gptq", calib_samples=24, calib_seq_len=64), None,
-                    str(tmp_path / "gptq"), calib_token_ids=calib)
+def against_rtn(tmp_path, src: str, method: str, calib: list[list[int]]):
+    """(the `method` artifact, its config, the source model, {method, rtn: held-out mean
+    squared logit error against the source})."""
+    art = quantize(src, QuantConfig(**W4, method=method, calib_samples=len(calib), calib_seq_len=len(calib[0])),
+                   None, str(tmp_path / method), calib_token_ids=calib)
     quantize(src, QuantConfig(**W4), None, str(tmp_path / "rtn"))
     base, cfg, _ = load_model(src, torch.float32)
     heldout = token_ids(6, 48, 1)
     errors = {name: mean_logit_error(load_model(str(tmp_path / name), torch.float32)[0], base, heldout)
-              for name in ("gptq", "rtn")}
+              for name in (method, "rtn")}
+    return art, cfg, base, errors
+
+
+def test_gptq_with_each_experts_hessian_beats_rtn_and_reports_what_the_router_sent(tmp_path):
+    _, src = build(tmp_path, "qwen3-moe")
+    calib = token_ids(24, 64, 0)
+    gptq, cfg, base, errors = against_rtn(tmp_path, src, "gptq", calib)
     assert errors["gptq"] < errors["rtn"], errors
     # A hand count of layer 0's routing on the calibration tokens (layer 0 sees them before anything is quantized).
     counts = torch.zeros(cfg.num_experts, dtype=torch.long)
@@ -143,10 +150,29 @@ def test_an_expert_no_calibration_token_reaches_is_reported_and_all_experts_give
     assert not torch.equal(expert7(str(tmp_path / "all")), expert7(str(tmp_path / "rtn")))  # GPTQ on all tokens
 
 
-def test_awq_and_smoothquant_are_refused_on_moe_models(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_awq_scales_the_experts_beats_rtn_and_hf_reads_the_artifact(tmp_path, arch):
+    """AWQ on experts: one scale for every expert's gate/up (searched with each expert's
+    error weighted by the tokens routed to it, folded into the norm and the router), one
+    per expert's down projection."""
+    _, src = build(tmp_path, arch)
+    art, cfg, _, errors = against_rtn(tmp_path, src, "awq", token_ids(24, 64, 0))
+    assert errors["awq"] < errors["rtn"], errors
+    moe, (gate, down) = ("block_sparse_moe", ("w1", "w2")) if arch == "mixtral" else ("mlp", ("gate_proj", "down_proj"))
+    searched = {e: {p: art.manifest["layers"][f"model.layers.0.{moe}.experts.{e}.{p}"]["awq"] for p in (gate, down)}
+                for e in range(cfg.num_experts)}
+    assert len({str(v[gate]) for v in searched.values()}) == 1  # one shared search
+    assert any(v[gate]["alpha"] > 0 for v in searched.values())
+    assert len({v[down]["alpha"] for v in searched.values()}) > 1 or cfg.num_experts == 1  # each expert its own
+    # HF transformers on what compressed-tensors decompresses: the folded router and norm are in the artifact.
+    ids = token_ids(1, 48, 1)[0]
+    ref = decompressed_hf_logits(tmp_path / "awq", tmp_path, ids)
+    got = sequence_logits(load_model(str(tmp_path / "awq"), torch.float32)[0], ids)
+    assert torch.allclose(got, ref, atol=2e-3, rtol=1e-3), (got - ref).abs().max()
+
+
+def test_smoothquant_is_refused_on_moe_models(tmp_path):
     _, src = build(tmp_path, "mixtral")
-    with pytest.raises(StageError, match="AWQ is not supported on mixture-of-experts models"):
-        quantize(src, QuantConfig(**W4, method="awq"), None, str(tmp_path / "a"), calib_token_ids=token_ids(4, 64, 0))
     with pytest.raises(StageError, match="SmoothQuant is not supported.*--no-smoothquant"):
         quantize(src, QuantConfig(scheme="W8A8"), None, str(tmp_path / "b"), calib_token_ids=token_ids(4, 64, 0))
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists()
