@@ -5,15 +5,19 @@ and the W8A16 decode kernel (csrc/int8_linear.cpp, quantized.Int8PackLinear).
 It reads K/V straight from their blocks, where the torch path gathers them into a padded
 copy and lays them out for two GEMMs (benchmarks/bench_decode_attention.py, BENCHMARKS.md).
 Compiling needs a C++ compiler (torch.utils.cpp_extension, about 40 s, cached per source,
-torch version and CPU); without one the torch path is used and that is said once.
+torch and Python version and CPU); without one the torch path is used and that is said once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
+import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -35,6 +39,25 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def build_directory(name: str) -> Path:
+    """Where the module `name` is built and cached: under TORCH_EXTENSIONS_DIR, else torch's
+    extension cache."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """An advisory lock on `path` that the OS releases when its holder exits, however it exits."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def extension():
     """The compiled module (decode kernel, fused element-wise ops, int8 Linear), or None without a compiler."""
@@ -47,10 +70,19 @@ def extension():
     # parallel_for is OpenMP inside the headers; without it the kernel ran on one thread.
     cflags, ldflags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-fopenmp"]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()
-                         + _cpu_flags().encode() + " ".join(cflags).encode()).hexdigest()[:12]
+                         + sys.version.encode() + _cpu_flags().encode() + " ".join(cflags).encode()).hexdigest()[:12]
+    name = f"quantpipe_paged_decode_{key}"
+    build = build_directory(name)
     try:
-        return load(f"quantpipe_paged_decode_{key}", [str(p) for p in SOURCES], extra_cflags=cflags,
-                    extra_ldflags=ldflags, verbose=False)
+        build.mkdir(parents=True, exist_ok=True)
+        # torch guards a build with a `lock` file that its builder deletes when done; a builder
+        # killed mid-build leaves it behind and every later load waits on it forever. Ours is
+        # released by the OS when its holder dies: holding it, no other process is building
+        # here, so a `lock` file found now is stale.
+        with _exclusive(build.with_name(name + ".flock")):
+            (build / "lock").unlink(missing_ok=True)
+            return load(name, [str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
+                        build_directory=str(build), verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: the torch path still works
         log.warning("CPU kernels unavailable (%s): decode attention uses gather + GEMMs, element-wise ops "
                     "and W8A16 decode torch's",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, paged_attention
-from quantpipe.runtime.model.cpu_attention import extension
+from quantpipe.runtime.model.cpu_attention import build_directory, extension
 from quantpipe.runtime.model.kv_cache import KVCache
 
 BS = 16
@@ -18,6 +18,22 @@ def ext():
     if ext is None:
         pytest.fail("the CPU paged decode kernel did not build (scripts/setup builds it; see its warning)")
     return ext
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_later_loads(ext):
+    """torch's build `lock` file, as a builder killed mid-build leaves it: a new process
+    still loads the module (before, it waited on the file forever)."""
+    import subprocess
+    import sys
+
+    lock = build_directory(ext.__name__) / "lock"
+    lock.write_text("")
+    try:
+        run = subprocess.run([sys.executable, "-c", "from quantpipe.runtime.model.cpu_attention import extension; "
+                              "assert extension() is not None"], capture_output=True, text=True, timeout=600)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def _case(dtype, kvh=3, heads=9, d=64, seed=0):
