@@ -91,14 +91,23 @@ def quantize_clipped(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, sca
     return quantize(w, scale, zero, scheme), scale, zero
 
 
+def moe_mlps(mlp) -> list:
+    """The MLPs that read the norm's output: a dense layer's one, or a MoE layer's experts
+    followed by its shared expert (if any)."""
+    if not isinstance(mlp, SparseMoE):
+        return [mlp]
+    return list(mlp.experts) + ([mlp.shared_expert] if mlp.shared_expert is not None else [])
+
+
 def fold_scales(layer, s_qkv=None, s_gate_up=None, s_down=None, s_o=None) -> None:
     """Multiply each Linear's input channels by its s and divide the producer of that input by s.
 
     In a MoE layer `s_gate_up` is shared: the norm before the MLP feeds the router and every
     expert, so the router's weight takes s too (its logits are unchanged; it stays in high
-    precision), and `s_down` is a list with one scale per expert (None: left as it is)."""
+    precision), as does a shared expert's gate; `s_down` is a list with one scale per
+    expert, the shared expert last (None: left as it is)."""
     attn, mlp = layer.self_attn, layer.mlp
-    experts = list(mlp.experts) if isinstance(mlp, SparseMoE) else [mlp]
+    experts = moe_mlps(mlp)
     with torch.no_grad():
         if s_qkv is not None:
             layer.attn_in_norm.divide_(s_qkv)
@@ -107,6 +116,8 @@ def fold_scales(layer, s_qkv=None, s_gate_up=None, s_down=None, s_o=None) -> Non
             layer.mlp_in_norm.divide_(s_gate_up)
             if isinstance(mlp, SparseMoE):
                 mlp.gate.weight.mul_(s_gate_up)
+                if mlp.shared_expert_gate is not None:
+                    mlp.shared_expert_gate.weight.mul_(s_gate_up)
             for e in experts:
                 e.gate_up_proj.weight.mul_(s_gate_up)
         for e, s in zip(experts, s_down if isinstance(s_down, list) else [s_down]):
@@ -128,13 +139,15 @@ def scale_layer(layer, hessians: dict[str, torch.Tensor], schemes: dict[str, Wei
 
     `hessians` and `schemes` are keyed by the layer's module names (self_attn.qkv_proj,
     ...); hessians are transformed in place to the scaled inputs (H / s s^T). In a MoE
-    layer the experts' gate/up projections share one scale, searched over all of them
-    with each expert's error weighted by `tokens` (the calibration tokens routed to it),
-    and each expert's down projection gets its own (AutoAWQ's grouping for Mixtral).
+    layer the experts' gate/up projections (a shared expert's too) share one scale,
+    searched over all of them with each expert's error weighted by `tokens` (the
+    calibration tokens routed to it; every token for a shared expert), and each expert's
+    down projection gets its own (AutoAWQ's grouping for Mixtral and Qwen2-MoE).
     """
     attn = layer.self_attn
     moe = isinstance(layer.mlp, SparseMoE)
-    mlp_names = [f"mlp.experts.{e}" for e in range(len(layer.mlp.experts))] if moe else ["mlp"]
+    name_of = {id(m): n for n, m in layer.named_modules()}
+    mlp_names = [name_of[id(m)] for m in moe_mlps(layer.mlp)]  # in fold_scales' order
     groups = {"s_qkv": ["self_attn.qkv_proj"], "s_gate_up": [f"{m}.gate_up_proj" for m in mlp_names]}
     groups.update({f"s_down.{k}": [f"{m}.down_proj"] for k, m in enumerate(mlp_names)})
     if attn.num_heads == attn.num_kv_heads:  # with GQA, o's input channels share v's: no single scale

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Gemma3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 GEMMA3 = "Gemma3ForCausalLM"
-MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 
 
@@ -46,6 +46,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the picked experts' router probabilities renormalized to sum to 1
     moe_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: beside the routed experts, one shared expert that every token goes through,
+    # its output weighted by sigmoid(shared_expert_gate(x)). 0: none.
+    shared_expert_intermediate_size: int = 0
 
     @property
     def is_gemma3(self) -> bool:
@@ -69,7 +72,7 @@ class ModelConfig:
         _refuse(cfg, "pretraining_tp", lambda v: v not in (None, 1), "only 1 is supported")
         if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             _refuse(cfg, "sliding_window", lambda v: v is not None, "sliding-window attention is not supported")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
             _refuse(cfg, "use_sliding_window", lambda v: bool(v), "sliding-window attention is not supported")
         # transformers >= 5 writes rope_parameters; older configs rope_theta + rope_scaling.
         rope_params = cfg.get("rope_parameters") or {}
@@ -85,7 +88,8 @@ class ModelConfig:
             **_common(cfg, arch),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+                            or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             **(_moe(cfg, arch) if arch in MOE else {}),
         )
@@ -102,13 +106,17 @@ def _moe(cfg: dict, arch: str) -> dict:
     if arch == "MixtralForCausalLM":  # every layer sparse; experts as wide as the dense MLP; always renormalized
         return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["intermediate_size"],
                     norm_topk_prob=True, moe_layers=tuple(range(n)))
-    _refuse(cfg, "shared_expert_intermediate_size", lambda v: bool(v), "shared experts are not supported")
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    if arch == "Qwen3MoeForCausalLM":
+        _refuse(cfg, "shared_expert_intermediate_size", bool, "Qwen3-MoE has no shared expert (Qwen2-MoE has)")
+    elif not isinstance(shared, int) or shared < 0:
+        raise ValueError(f"config field shared_expert_intermediate_size={shared!r} must be a non-negative integer")
     step = cfg.get("decoder_sparse_step", 1)
     dense = set(cfg.get("mlp_only_layers") or [])
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"config field decoder_sparse_step={step!r} must be a positive integer")
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared,
                 moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0))
 
 
@@ -189,17 +197,22 @@ def _gemma3(cfg: dict) -> ModelConfig:
 def fused_linears(cfg: ModelConfig, layer: int) -> list[tuple[str, tuple[str, ...]]]:
     """Layer `layer`'s quantizable Linears: (our fused module's local name, the local names of
     the checkpoint's modules it fuses). A mixture-of-experts layer lists each expert's; its
-    router stays in high precision and is not listed."""
+    router (and a shared expert's gate) stays in high precision and is not listed."""
     out = [("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
            ("self_attn.o_proj", ("self_attn.o_proj",))]
-    mlps = [f"mlp.experts.{e}." for e in range(cfg.num_experts)] if layer in cfg.moe_layers else ["mlp."]
+    mlps = ["mlp."]
+    if layer in cfg.moe_layers:
+        mlps = [f"mlp.experts.{e}." for e in range(cfg.num_experts)]
+        mlps += ["mlp.shared_expert."] if cfg.shared_expert_intermediate_size else []
     for m in mlps:
         out += [(m + "gate_up_proj", (m + "gate_proj", m + "up_proj")), (m + "down_proj", (m + "down_proj",))]
     return out
 
 
 def routers(cfg: ModelConfig) -> list[str]:
-    return [f"layers.{i}.mlp.gate" for i in cfg.moe_layers]
+    """The Linears that pick or weigh experts: kept in high precision (an artifact's `ignore`)."""
+    gates = ["mlp.gate"] + (["mlp.shared_expert_gate"] if cfg.shared_expert_intermediate_size else [])
+    return [f"layers.{i}.{g}" for i in cfg.moe_layers for g in gates]
 
 
 _MIXTRAL_TO_OURS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}

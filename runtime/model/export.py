@@ -18,7 +18,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "architectures": [cfg.architecture],
         "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text",
-                       "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}[cfg.architecture],
+                       "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+                       "MixtralForCausalLM": "mixtral"}[cfg.architecture],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -30,11 +31,14 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     }
     if cfg.architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         out["sliding_window"] = None
-    if cfg.architecture == "Qwen3MoeForCausalLM":
+    if cfg.architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         dense = [i for i in range(cfg.num_layers) if i not in cfg.moe_layers]
         out.update({"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
                     "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
                     "decoder_sparse_step": 1, "mlp_only_layers": dense})
+    if cfg.architecture == "Qwen2MoeForCausalLM":
+        out.update({"shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+                    "qkv_bias": cfg.attention_bias, "use_sliding_window": False})
     if cfg.architecture == "MixtralForCausalLM":
         out.update({"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok})
     if cfg.is_gemma3:

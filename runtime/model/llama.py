@@ -201,8 +201,10 @@ class GeGLU(MLP):
 
 
 class SparseMoE(nn.Module):
-    """Mixture of experts (Qwen3-MoE, Mixtral): a router (`gate`, kept in high precision by
-    quantization) picks num_experts_per_tok experts per token; each expert is an MLP.
+    """Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): a router (`gate`, kept in high
+    precision by quantization) picks num_experts_per_tok experts per token; each expert is an
+    MLP. Qwen2-MoE adds a shared expert that every token goes through, weighted per token by
+    sigmoid(shared_expert_gate(x)) (that gate kept in high precision too).
 
     Dispatch is batched by expert: the (token, expert) pairs are sorted by expert, so each
     expert that any token picked runs one GEMM over all of its tokens, and its outputs,
@@ -215,6 +217,9 @@ class SparseMoE(nn.Module):
         self.weights_in_float32 = cfg.architecture == "MixtralForCausalLM"  # Qwen3-MoE rounds them to the model dtype
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of each token's picked experts."""
@@ -238,6 +243,8 @@ class SparseMoE(nn.Module):
                 y = self.experts[e](x[rows]) * pair_weights[start:start + n]
                 out.index_add_(0, rows, y.to(x.dtype))
                 start += n
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 

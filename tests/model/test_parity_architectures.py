@@ -38,6 +38,10 @@ MOE_ARCHS = {
                                          moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
     "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=None)),
+    # A shared expert beside the routed ones, q/k/v bias, routing weights not renormalized.
+    "qwen2-moe": ("Qwen2MoeConfig", dict(tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                         norm_topk_prob=False, mlp_only_layers=[0], qkv_bias=True)),
 }
 
 
@@ -51,7 +55,7 @@ def build(tmp_path, arch: str):
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    if arch == "qwen2-bias":  # make the bias matter
+    if arch in ("qwen2-bias", "qwen2-moe"):  # make the bias matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
@@ -131,6 +135,15 @@ def test_unsupported_architecture_and_fields_are_refused(tmp_path):
         ModelConfig.from_hf({**base, "sliding_window": None, "rope_scaling": {"rope_type": "longrope", "factor": 2}})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf({**base, "sliding_window": None, "hidden_act": "gelu"})
+    moe = dict(base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=16 is not supported: Qwen3-MoE has no"):
+        ModelConfig.from_hf({**moe, "architectures": ["Qwen3MoeForCausalLM"], "shared_expert_intermediate_size": 16})
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=-1 must be a non-negative integer"):
+        ModelConfig.from_hf({**moe, "architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": -1})
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf({**moe, "architectures": ["Qwen2MoeForCausalLM"], "use_sliding_window": True})
+    q2 = ModelConfig.from_hf({**moe, "architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 16})
+    assert q2.attention_bias and q2.shared_expert_intermediate_size == 16  # Qwen2-MoE's q/k/v bias is on by default
 
 
 def test_gemma3_logprobs_match_hf_past_the_window(tmp_path):

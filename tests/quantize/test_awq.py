@@ -28,14 +28,21 @@ def build_mha(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa-untied-llama3-rope", "qwen2-bias", "mha", "qwen3-moe", "mixtral"])
+def _gates(model, cfg) -> list[torch.Tensor]:
+    """The weights of every MoE layer's router and shared-expert gate."""
+    mlps = [model.layers[i].mlp for i in cfg.moe_layers]
+    return [g.weight for m in mlps for g in (m.gate, m.shared_expert_gate) if g is not None]
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa-untied-llama3-rope", "qwen2-bias", "mha", "qwen3-moe", "mixtral",
+                                  "qwen2-moe"])
 def test_folding_scales_leaves_the_function_unchanged(tmp_path, arch):
-    """In a MoE layer the experts' gate/up share one scale, which the router takes too, and
-    each expert's down projection has its own."""
+    """In a MoE layer the experts' gate/up share one scale, which the router (and a shared
+    expert's gate) takes too, and each expert's down projection has its own."""
     src = build_mha(tmp_path) if arch == "mha" else build(tmp_path, arch)[1]
     model, cfg, _ = load_model(src, torch.float32)
     ref = sequence_logits(model, IDS)
-    routers = [model.layers[i].mlp.gate.weight.clone() for i in cfg.moe_layers]
+    routers = [w.clone() for w in _gates(model, cfg)]
     g = torch.Generator().manual_seed(1)
 
     def scales(n):
@@ -44,13 +51,14 @@ def test_folding_scales_leaves_the_function_unchanged(tmp_path, arch):
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         moe = i in cfg.moe_layers
-        s_down = [scales(cfg.moe_intermediate_size) for _ in range(cfg.num_experts)] if moe \
+        shared = [scales(cfg.shared_expert_intermediate_size)] if cfg.shared_expert_intermediate_size else []
+        s_down = [scales(cfg.moe_intermediate_size) for _ in range(cfg.num_experts)] + shared if moe \
             else scales(cfg.intermediate_size)
         awq.fold_scales(layer, s_qkv=scales(cfg.hidden_size), s_gate_up=scales(cfg.hidden_size), s_down=s_down,
                         s_o=scales(attn.q_size) if attn.num_heads == attn.num_kv_heads else None)
     got = sequence_logits(model, IDS)
     assert not torch.equal(model.layers[0].input_layernorm.weight, torch.ones(cfg.hidden_size))
-    assert all(not torch.equal(model.layers[i].mlp.gate.weight, r) for i, r in zip(cfg.moe_layers, routers))
+    assert all(not torch.equal(w, r) for w, r in zip(_gates(model, cfg), routers, strict=True))
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
 
 

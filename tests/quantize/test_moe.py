@@ -48,7 +48,7 @@ def decompressed_hf_logits(artifact, tmp_path, ids) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "qwen2-moe"])
 def test_experts_quantize_into_an_artifact_that_compressed_tensors_and_hf_read(tmp_path, arch):
     _, src = build(tmp_path, arch)
     out = tmp_path / "artifact"
@@ -56,8 +56,12 @@ def test_experts_quantize_into_an_artifact_that_compressed_tensors_and_hf_read(t
     cfg = json.load(open(out / "config.json"))
     moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
     expert_up = "w3" if arch == "mixtral" else "up_proj"
-    assert f"model.layers.0.{moe}.experts.3.{expert_up}" in art.manifest["layers"]
-    assert f"model.layers.0.{moe}.gate" in cfg["quantization_config"]["ignore"]  # the router stays high precision
+    layer = 1 if arch == "qwen2-moe" else 0  # the small Qwen2-MoE's layer 0 is dense
+    assert f"model.layers.{layer}.{moe}.experts.3.{expert_up}" in art.manifest["layers"]
+    assert f"model.layers.{layer}.{moe}.gate" in cfg["quantization_config"]["ignore"]  # routers stay high precision
+    if arch == "qwen2-moe":  # the shared expert is quantized, its gate is not
+        assert "model.layers.1.mlp.shared_expert.down_proj" in art.manifest["layers"]
+        assert "model.layers.1.mlp.shared_expert_gate" in cfg["quantization_config"]["ignore"]
     assert not any(k.startswith(f"model.layers.0.{moe}.gate.") and k.endswith("_packed")
                    for k in load_file(out / "model.safetensors"))
     ids = token_ids(1, 24, 5)[0]
@@ -150,18 +154,20 @@ def test_an_expert_no_calibration_token_reaches_is_reported_and_all_experts_give
     assert not torch.equal(expert7(str(tmp_path / "all")), expert7(str(tmp_path / "rtn")))  # GPTQ on all tokens
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "qwen2-moe"])
 def test_awq_scales_the_experts_beats_rtn_and_hf_reads_the_artifact(tmp_path, arch):
     """AWQ on experts: one scale for every expert's gate/up (searched with each expert's
-    error weighted by the tokens routed to it, folded into the norm and the router), one
-    per expert's down projection."""
+    error weighted by the tokens routed to it, folded into the norm, the router and a
+    shared expert's gate), one per expert's down projection."""
     _, src = build(tmp_path, arch)
     art, cfg, _, errors = against_rtn(tmp_path, src, "awq", token_ids(24, 64, 0))
     assert errors["awq"] < errors["rtn"], errors
     moe, (gate, down) = ("block_sparse_moe", ("w1", "w2")) if arch == "mixtral" else ("mlp", ("gate_proj", "down_proj"))
-    searched = {e: {p: art.manifest["layers"][f"model.layers.0.{moe}.experts.{e}.{p}"]["awq"] for p in (gate, down)}
-                for e in range(cfg.num_experts)}
-    assert len({str(v[gate]) for v in searched.values()}) == 1  # one shared search
+    layer = cfg.moe_layers[0]
+    mlps = [f"experts.{e}" for e in range(cfg.num_experts)] + (["shared_expert"] if arch == "qwen2-moe" else [])
+    searched = {m: {p: art.manifest["layers"][f"model.layers.{layer}.{moe}.{m}.{p}"]["awq"] for p in (gate, down)}
+                for m in mlps}
+    assert len({str(v[gate]) for v in searched.values()}) == 1  # one shared search, the shared expert's included
     assert any(v[gate]["alpha"] > 0 for v in searched.values())
     assert len({v[down]["alpha"] for v in searched.values()}) > 1 or cfg.num_experts == 1  # each expert its own
     # HF transformers on what compressed-tensors decompresses: the folded router and norm are in the artifact.
