@@ -63,7 +63,7 @@ class QualityScores:
 
 # Entries of one chunk of rows (positions x vocabulary): 2 MiB of float32, so a chunk's
 # temporaries stay in cache. Gemma 3's 262,144-entry vocabulary at 16 rows a chunk took
-# 4.2x the time of 2 rows (BENCHMARKS.md, "Eval cost").
+# 4.2x the time of 2 rows (BENCHMARKS.md, "The scorer's statistics in float32 passes").
 CHUNK_ENTRIES = 1 << 19
 
 
@@ -92,9 +92,10 @@ def token_stats_many(base_logits: torch.Tensor, cand_logits: list[torch.Tensor],
     ever formed in float32, where its rounding (2e-6) would exceed a good candidate's
     typical per-token KL, and the row sums accumulate in float64. What is left is the
     float32 rounding of exp and of logit differences: a test holds KL and NLL to a float64
-    log-softmax within 1e-7 per token (plus 1e-6 of the KL). Half the time of a float64
-    log-softmax (BENCHMARKS.md, "Eval cost"). Top-5: the baseline's top-1 is in the
-    candidate's top 5 unless 5 entries score strictly above it.
+    log-softmax within 1e-7 per token (plus 1e-6 of the KL). 0.60x the time of the float64
+    code on the default model, 0.20x on Gemma 3's vocabulary (BENCHMARKS.md, "The scorer's
+    statistics in float32 passes"). Top-5: the baseline's top-1 is in the candidate's top 5
+    unless 5 entries score strictly above it.
     """
     target = torch.tensor(ids[1:]).unsqueeze(1)
     parts: list[dict[str, list]] = [defaultdict(list) for _ in cand_logits]
