@@ -72,11 +72,11 @@ def chunk_rows(vocab: int) -> int:
 
 
 def _exp_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For float32 logits [R, V]: each row's max m, its index, exp(x - m), and log of the
-    row sum of exp(x - m) in float64 (log s: the log-sum-exp is m + log s)."""
+    """For float32 logits [R, V]: each row's max m, its index, exp(x - m), and the row sum s
+    of exp(x - m) accumulated in float64 (the log-sum-exp is m + log s)."""
     m, top1 = x.max(-1, keepdim=True)
     e = (x - m).exp_()
-    return m.double(), top1, e, e.sum(-1, keepdim=True, dtype=torch.float64).log()
+    return m.double(), top1, e, e.sum(-1, keepdim=True, dtype=torch.float64)
 
 
 @torch.inference_mode()
@@ -102,12 +102,13 @@ def token_stats_many(base_logits: torch.Tensor, cand_logits: list[torch.Tensor],
     rows = chunk_rows(base_logits.shape[-1])
     for r in range(0, len(target), rows):
         xb, t = base_logits[r: r + rows], target[r: r + rows]
-        mb, top1, eb, log_sb = _exp_parts(xb)
-        sb = log_sb.exp()
+        mb, top1, eb, sb = _exp_parts(xb)
+        log_sb = sb.log()
         nll_base = (mb - xb.gather(1, t).double() + log_sb).squeeze(1)
         for logits, out in zip(cand_logits, parts):
             xc = logits[r: r + rows]
-            mc, top1_c, _, log_sc = _exp_parts(xc)
+            mc, top1_c, _, sc = _exp_parts(xc)
+            log_sc = sc.log()
             mean_d = (eb * (xb - xc)).sum(-1, keepdim=True, dtype=torch.float64) / sb  # E_pb[d]
             out["nll_base"].append(nll_base)
             out["nll_cand"].append((mc - xc.gather(1, t).double() + log_sc).squeeze(1))
