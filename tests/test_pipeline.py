@@ -118,3 +118,30 @@ def test_pipeline_publishes_the_cheapest_passing_candidate_and_reuses_unchanged_
     db = f"sqlite:///{tmp_path}/.quantpipe/registry.db"
     client = mlflow.tracking.MlflowClient(tracking_uri=db, registry_uri=db)
     assert [str(v.version) for v in client.search_model_versions("name='smol'")] == ["1"]
+
+
+def test_mixed_rungs_that_differ_only_in_budget_measure_sensitivities_once(tmp_path, sample_set, monkeypatch, capsys):
+    """The default recipe's 5- and 6-bit rungs: the second reuses the first's table (the
+    stage checks it was measured alike); a rung with another probe measures its own."""
+    import json
+
+    from quantpipe.formats.artifact import model_sha256
+    from quantpipe.pipeline.recipe import PipelineRecipe
+    from quantpipe.pipeline.run import Run, quantize_step
+    from quantpipe.runtime.model.loader import resolve_model_path
+
+    monkeypatch.chdir(tmp_path)
+    probe = {"scheme": "mixed", "method": "rtn", "sensitivity_samples": 1, "sensitivity_tokens": 16}
+    recipe = PipelineRecipe.from_dict({"name": "smol", "calibrate": {"set": sample_set}, "candidates": [
+        dict(probe, bits_budget=5.0), dict(probe, bits_budget=6.0), dict(probe, bits_budget=6.0, sensitivity_tokens=8,
+                                                                         name="other-probe")]})
+    run = Run(recipe, None, "policy.yaml")
+    run.src = resolve_model_path(None)
+    run.src_sha, run.calib = model_sha256(run.src), sample_set
+    five, six, other = (quantize_step(run, c) for c in recipe.candidates)
+    manifest = {a: json.loads((a / "quantpipe.json").read_text())["mixed_precision"] for a in (five, six, other)}
+    assert manifest[five]["reused_from"] is None and manifest[other]["reused_from"] is None
+    assert manifest[six]["reused_from"]["artifact"] == five.name
+    assert manifest[six]["table"] == manifest[five]["table"] != manifest[other]["table"]
+    assert manifest[six]["average_bits"] > manifest[five]["average_bits"]
+    assert f"(sensitivities reused from {five.name})" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from quantpipe.runtime.model.divergence import chunk_rows, exp_parts, kl_from_parts
 from quantpipe.runtime.model.forward import sequence_logits
 
 
@@ -61,58 +62,32 @@ class QualityScores:
         return {s: self.summary(idx) for s, idx in sorted(groups.items())}
 
 
-# Entries of one chunk of rows (positions x vocabulary): 2 MiB of float32, so a chunk's
-# temporaries stay in cache. Gemma 3's 262,144-entry vocabulary at 16 rows a chunk took
-# 4.2x the time of 2 rows (BENCHMARKS.md, "The scorer's statistics in float32 passes").
-CHUNK_ENTRIES = 1 << 19
-
-
-def chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_ENTRIES // vocab)
-
-
-def _exp_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For float32 logits [R, V]: each row's max m, its index, exp(x - m), and the row sum s
-    of exp(x - m) accumulated in float64 (the log-sum-exp is m + log s)."""
-    m, top1 = x.max(-1, keepdim=True)
-    e = (x - m).exp_()
-    return m.double(), top1, e, e.sum(-1, keepdim=True, dtype=torch.float64)
-
-
 @torch.inference_mode()
 def token_stats_many(base_logits: torch.Tensor, cand_logits: list[torch.Tensor], ids: list[int]) -> list[TokenStats]:
     """Per-token statistics of each candidate against the baseline, from float32 logits
     [T-1, V] for the text `ids`. What depends on the baseline alone is computed once per
     chunk of rows and serves every candidate.
 
-    The passes over the vocabulary run in float32 and only per-row quantities in float64,
-    arranged so that nothing large cancels. With d = baseline logit - candidate logit,
-        KL = E_pb[d] - (lse_b - lse_c),   lse_b - lse_c = (m_b - m_c) + (log s_b - log s_c)
-    (m a row's max, s = sum exp(logit - m) >= 1). No log-probability of magnitude ~20 is
-    ever formed in float32, where its rounding (2e-6) would exceed a good candidate's
-    typical per-token KL, and the row sums accumulate in float64. What is left is the
-    float32 rounding of exp and of logit differences: a test holds KL and NLL to a float64
-    log-softmax within 1e-7 per token (plus 1e-6 of the KL). 0.60x the time of the float64
-    code on the default model, 0.20x on Gemma 3's vocabulary (BENCHMARKS.md, "The scorer's
-    statistics in float32 passes"). Top-5: the baseline's top-1 is in the candidate's top 5
-    unless 5 entries score strictly above it.
+    KL comes from `quantpipe.runtime.model.divergence` (float32 passes over the vocabulary,
+    per-row sums in float64: a test holds KL and NLL to a float64 log-softmax within 1e-7
+    per token, plus 1e-6 of the KL); the NLL uses the same row parts, m + log s - logit.
+    0.60x the time of the float64 code on the default model, 0.20x on Gemma 3's vocabulary
+    (BENCHMARKS.md, "The scorer's statistics in float32 passes"). Top-5: the baseline's
+    top-1 is in the candidate's top 5 unless 5 entries score strictly above it.
     """
     target = torch.tensor(ids[1:]).unsqueeze(1)
     parts: list[dict[str, list]] = [defaultdict(list) for _ in cand_logits]
     rows = chunk_rows(base_logits.shape[-1])
     for r in range(0, len(target), rows):
         xb, t = base_logits[r: r + rows], target[r: r + rows]
-        mb, top1, eb, sb = _exp_parts(xb)
-        log_sb = sb.log()
-        nll_base = (mb - xb.gather(1, t).double() + log_sb).squeeze(1)
+        mb, top1, eb, sb = exp_parts(xb)
+        nll_base = (mb - xb.gather(1, t).double() + sb.log()).squeeze(1)
         for logits, out in zip(cand_logits, parts):
             xc = logits[r: r + rows]
-            mc, top1_c, _, sc = _exp_parts(xc)
-            log_sc = sc.log()
-            mean_d = (eb * (xb - xc)).sum(-1, keepdim=True, dtype=torch.float64) / sb  # E_pb[d]
+            mc, top1_c, _, sc = exp_parts(xc)
             out["nll_base"].append(nll_base)
-            out["nll_cand"].append((mc - xc.gather(1, t).double() + log_sc).squeeze(1))
-            out["kl"].append((mean_d - (mb - mc) - (log_sb - log_sc)).squeeze(1).clamp(min=0))
+            out["nll_cand"].append((mc - xc.gather(1, t).double() + sc.log()).squeeze(1))
+            out["kl"].append(kl_from_parts(xb, mb, eb, sb, xc, mc, sc).squeeze(1))
             out["agree"].append((top1 == top1_c).squeeze(1).double())
             out["top5_miss"].append(((xc > xc.gather(1, top1)).sum(-1) >= 5).double())
     return [TokenStats(**{k: torch.cat(v).numpy() for k, v in out.items()}) for out in parts]

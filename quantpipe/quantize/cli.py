@@ -30,6 +30,9 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, 
               help="mixed: calibration sequences each layer's sensitivity (KL) is measured on")
 @click.option("--sensitivity-tokens", type=int, default=128, show_default=True,
               help="mixed: tokens of each of those sequences")
+@click.option("--sensitivity-from", default=None, metavar="ARTIFACT",
+              help="mixed: reuse this earlier mixed artifact's sensitivity table when its manifest shows it was "
+                   "measured on the same model, sequences and precisions (else measure again)")
 @click.option("--smoothquant-alpha", type=float, default=0.5, show_default=True,
               help="W8A8: SmoothQuant migration strength (0 < alpha < 1)")
 @click.option("--no-smoothquant", is_flag=True, help="W8A8 without SmoothQuant")
@@ -45,14 +48,14 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, 
               show_default=True, help="scales and unquantized tensors")
 @click.option("--out", required=True, help="artifact folder (written only when complete)")
 @click.option("--overwrite", is_flag=True, help="replace an existing --out folder")
-def quantize_command(model, calib, out, overwrite, **options) -> int:
+def quantize_command(model, calib, out, overwrite, sensitivity_from, **options) -> int:
     from quantpipe.quantize.stage import quantize
 
     if options.pop("no_smoothquant"):
         options["smoothquant_alpha"] = None
     try:
         cfg = QuantConfig(**options)
-        art = quantize(model, cfg, calib, out, overwrite=overwrite)
+        art = quantize(model, cfg, calib, out, overwrite=overwrite, sensitivity_from=sensitivity_from)
     except StageError as e:
         click.echo(f"quantpipe quantize: {e}", err=True)
         return 2

@@ -5,19 +5,28 @@ distribution from the unquantized model's when only that layer is quantized (RTN
 that precision, on a few calibration sequences. The assignment minimizing the summed
 sensitivity with average bits per weight <= budget (scales counted) is a multiple-choice
 knapsack, solved exactly by dynamic programming over the bit cost in small units.
+
+The table depends on the source model, the probe sequences and the candidate precisions,
+not on the budget, so candidates that differ only in budget (the default recipe's 5- and
+6-bit rungs) measure it once: the manifest records what it was measured on (`measure_key`)
+and a later run reuses an earlier artifact's table only when that key is equal.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 
 import torch
-import torch.nn.functional as F
 
 from quantpipe.quantize.rtn import WeightScheme, dequantize, rtn
+from quantpipe.runtime.model.divergence import kl_rows
 from quantpipe.runtime.model.forward import SequencePass
 
 KEEP = None  # "stay in the model dtype"
+# Names how `sensitivities` measures; changed with it, so a table measured otherwise is never reused.
+MEASURE = "kl(base || one layer rtn), float32 passes, v2"
 
 
 def candidates(group_size: int) -> list[WeightScheme | None]:
@@ -38,7 +47,9 @@ def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples:
 
     The unquantized model's hidden state entering every decoder layer is kept per sample,
     so measuring a Linear of layer i reruns layers i.. only: half a forward pass on
-    average instead of a whole one, with the same numbers.
+    average instead of a whole one, with the same numbers. KL is taken in float32 passes
+    over the vocabulary (`divergence.kl_rows`), not a float64 log-softmax: on Gemma 3's
+    262,144 entries that pass had cost as much as the lm_head matmul itself.
     """
     passes = [SequencePass(model, ids) for ids in samples]
     entering, ref = [], []  # entering[s][i]: sample s's hidden state before layer i (the last: after all)
@@ -49,7 +60,7 @@ def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples:
             x = p.layer(i, x)
         states.append(x)
         entering.append(states)
-        ref.append(F.log_softmax(p.logits(x).double(), -1))
+        ref.append(p.logits(x))
     out: dict[str, dict[str, float]] = {}
     for name in names:
         start = len(model.layers) if name == "lm_head" else int(name.split(".")[1])
@@ -64,11 +75,34 @@ def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples:
                 x = states[start]
                 for i in range(start, len(model.layers)):
                     x = p.layer(i, x)
-                lc = F.log_softmax(p.logits(x).double(), -1)
-                kl += float((lr.exp() * (lr - lc)).sum(-1).mean())
+                kl += float(kl_rows(lr, p.logits(x)).mean())
             out[name][sch.describe()] = kl / len(samples)
         mod.weight.copy_(original)
     return out
+
+
+def measure_key(source_sha256: str, probe: list[list[int]], schemes: list[WeightScheme]) -> dict:
+    """What a sensitivity table was measured on: equal keys give equal tables."""
+    return {"measure": MEASURE, "source_sha256": source_sha256,
+            "probe_sha256": hashlib.sha256(json.dumps(probe).encode()).hexdigest(),
+            "schemes": [s.describe() for s in schemes]}
+
+
+def reusable(recorded: object, key: dict, names: list[str]) -> tuple[dict | None, str]:
+    """An earlier manifest's `mixed_precision` entry -> (its table, "") when it was measured
+    under `key` on exactly these layers and precisions, else (None, the reason)."""
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("table"), dict):
+        return None, "it has no mixed-precision sensitivity table"
+    if recorded.get("measured_on") != key:
+        old = recorded.get("measured_on") if isinstance(recorded.get("measured_on"), dict) else {}
+        diff = [k for k in key if old.get(k) != key[k]]
+        return None, f"it was measured differently ({', '.join(diff)} differ)"
+    table = recorded["table"]
+    want = set(key["schemes"])
+    if set(table) != set(names) or any(not isinstance(table[n], dict) or set(table[n]) != want or
+                                       not all(isinstance(v, float) for v in table[n].values()) for n in names):
+        return None, "its table does not cover exactly this model's layers and precisions"
+    return table, ""
 
 
 def assign(params: dict[str, int], in_features: dict[str, int], sens: dict[str, dict[str, float]],

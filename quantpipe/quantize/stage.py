@@ -26,6 +26,7 @@ from quantpipe.formats.artifact import (
     kv_scale_tensors,
     model_sha256,
     quantized_tensors,
+    read_manifest,
     seal,
     write_checkpoint,
 )
@@ -291,11 +292,13 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
 
 
 def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, overwrite: bool = False,
-             calib_token_ids: list[list[int]] | None = None) -> Artifact:
+             calib_token_ids: list[list[int]] | None = None, sensitivity_from: str | None = None) -> Artifact:
     """Quantize `model` (GGUF, HF folder, or None for the default model) into the artifact folder `out`.
 
     `calib` is a `quantpipe calibrate` folder or a text file; `calib_token_ids` gives token
-    sequences directly instead (for models without a tokenizer).
+    sequences directly instead (for models without a tokenizer). `sensitivity_from`, an
+    earlier mixed-precision artifact: its sensitivity table is reused when it was measured on
+    the same model, probe sequences and precisions (its manifest says so), else measured again.
     """
     from quantpipe.runtime.model.loader import load_model, resolve_model_path
 
@@ -303,11 +306,17 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     phases: dict[str, float] = {}
     if Path(out).exists() and not overwrite:
         raise StageError(f"--out {out} already exists (pass --overwrite to replace it)")
+    earlier = None
+    if sensitivity_from is not None:
+        if cfg.scheme != "mixed":
+            raise StageError(f"--sensitivity-from applies to --scheme mixed only (got {cfg.scheme})")
+        earlier = read_manifest(sensitivity_from, "--sensitivity-from")
     try:
         src = resolve_model_path(model)
         net, mcfg, tokenizer = load_model(model, torch.float32)
     except (ValueError, FileNotFoundError) as e:
         raise StageError(f"model: {e}") from None
+    src_sha = model_sha256(src)
     phases["load_s"] = time.perf_counter() - t_start
     if mcfg.moe_layers and cfg.scheme == "W8A8" and cfg.smoothquant_alpha is not None:
         # Its migration would fold into the norm that feeds the router and every expert, which is built for AWQ only.
@@ -365,15 +374,25 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     if cfg.scheme == "mixed":
         from quantpipe.quantize import mixed
 
-        group = scheme.group_size
-        cands = mixed.candidates(group)
+        cands = mixed.candidates(scheme.group_size)
         probe = [s[: cfg.sensitivity_tokens] for s in samples[: cfg.sensitivity_samples]]
-        sens = mixed.sensitivities(net, names, [c for c in cands if c], probe)
+        key = mixed.measure_key(src_sha, probe, [c for c in cands if c])
+        sens, reused = None, None
+        if earlier is not None:
+            sens, why = mixed.reusable(earlier.get("mixed_precision"), key, names)
+            if sens is None:
+                log.info("measuring sensitivities: --sensitivity-from %s is not reusable: %s", sensitivity_from, why)
+            else:
+                reused = {"artifact": os.path.basename(os.path.normpath(sensitivity_from)),
+                          "artifact_sha256": earlier.get("artifact_sha256")}
+        if sens is None:
+            sens = mixed.sensitivities(net, names, [c for c in cands if c], probe)
         params = {n: net.get_submodule(n).weight.numel() for n in names}
         inf = {n: k for n, k in zip(names, in_features)}
         scheme_map = mixed.assign(params, inf, sens, cands, cfg.bits_budget)
         avg = sum(mixed.bits_of(scheme_map[n], inf[n]) * params[n] for n in names) / sum(params.values())
-        sensitivity = {"table": sens, "bits_budget": cfg.bits_budget, "average_bits": round(avg, 4),
+        sensitivity = {"table": sens, "measured_on": key, "reused_from": reused, "bits_budget": cfg.bits_budget,
+                       "average_bits": round(avg, 4),
                        "chosen": {n: (s.describe() if s else "bf16") for n, s in scheme_map.items()}}
         phases["sensitivity_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -452,7 +471,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         phases["write_s"] = time.perf_counter() - t
         manifest = {
             "stage": "quantize", "manifest_version": MANIFEST_VERSION, "code_version": code_version(),
-            "source_model": {"path": os.path.basename(os.path.normpath(src)), "sha256": model_sha256(src),
+            "source_model": {"path": os.path.basename(os.path.normpath(src)), "sha256": src_sha,
                              "architecture": mcfg.architecture},
             "scheme": cfg.scheme, "weights": "mixed" if cfg.scheme == "mixed" else scheme.describe(),
             "method": cfg.method, "parameters": cfg.to_dict(),
