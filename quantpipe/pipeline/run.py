@@ -68,7 +68,7 @@ class Run:
     heldout_sha: str = ""  # hashes computed once, for every step's key
     calib_sha: str = ""
     shas: dict = field(default_factory=dict)  # candidate name -> artifact sha256
-    mixed: list = field(default_factory=list)  # mixed-precision artifacts so far: their sensitivity tables serve the next
+    last_mixed: str | None = None  # the last mixed-precision artifact: its sensitivity table may serve the next
     keys: Keys = None
     times: dict = field(default_factory=dict)
 
@@ -210,7 +210,7 @@ def quantize_step(run: Run, cand: Candidate) -> Path:
     if run.keys.fresh(f"quantize:{cand.name}", key, artifact):
         run.done(t, f"unchanged, reusing {artifact}", "quantize")
     else:
-        earlier = run.mixed[-1] if cfg.scheme == "mixed" and run.mixed else None  # reused only if measured alike
+        earlier = run.last_mixed if cfg.scheme == "mixed" else None  # the stage reuses it only if measured alike
         art = quantize(run.model, cfg, run.calib if need else None, str(artifact), overwrite=True,
                        sensitivity_from=earlier)
         run.keys.record(f"quantize:{cand.name}", key)
@@ -219,7 +219,7 @@ def quantize_step(run: Run, cand: Candidate) -> Path:
         run.done(t, f"{art.manifest['weights']}: {art.manifest['bytes']['ratio']:.1%} of the bf16 bytes{note} -> "
                     f"{artifact}", "quantize")
     if cfg.scheme == "mixed":
-        run.mixed.append(str(artifact))
+        run.last_mixed = str(artifact)
     return artifact
 
 

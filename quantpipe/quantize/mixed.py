@@ -14,12 +14,12 @@ and a later run reuses an earlier artifact's table only when that key is equal.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 
 import torch
 
+from quantpipe.manifest import sha256_bytes
 from quantpipe.quantize.rtn import WeightScheme, dequantize, rtn
 from quantpipe.runtime.model.divergence import kl_rows
 from quantpipe.runtime.model.forward import SequencePass
@@ -84,7 +84,7 @@ def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples:
 def measure_key(source_sha256: str, probe: list[list[int]], schemes: list[WeightScheme]) -> dict:
     """What a sensitivity table was measured on: equal keys give equal tables."""
     return {"measure": MEASURE, "source_sha256": source_sha256,
-            "probe_sha256": hashlib.sha256(json.dumps(probe).encode()).hexdigest(),
+            "probe_sha256": sha256_bytes(json.dumps(probe).encode()),
             "schemes": [s.describe() for s in schemes]}
 
 

@@ -375,8 +375,9 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         from quantpipe.quantize import mixed
 
         cands = mixed.candidates(scheme.group_size)
+        measured = [c for c in cands if c is not mixed.KEEP]
         probe = [s[: cfg.sensitivity_tokens] for s in samples[: cfg.sensitivity_samples]]
-        key = mixed.measure_key(src_sha, probe, [c for c in cands if c])
+        key = mixed.measure_key(src_sha, probe, measured)
         sens, reused = None, None
         if earlier is not None:
             sens, why = mixed.reusable(earlier.get("mixed_precision"), key, names)
@@ -386,7 +387,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
                 reused = {"artifact": os.path.basename(os.path.normpath(sensitivity_from)),
                           "artifact_sha256": earlier.get("artifact_sha256")}
         if sens is None:
-            sens = mixed.sensitivities(net, names, [c for c in cands if c], probe)
+            sens = mixed.sensitivities(net, names, measured, probe)
         params = {n: net.get_submodule(n).weight.numel() for n in names}
         inf = {n: k for n, k in zip(names, in_features)}
         scheme_map = mixed.assign(params, inf, sens, cands, cfg.bits_budget)
