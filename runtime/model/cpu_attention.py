@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -48,14 +49,21 @@ def build_directory(name: str) -> Path:
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path):
+def _locked(path: Path, exclusive: bool):
     """An advisory lock on `path` that the OS releases when its holder exits, however it exits."""
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _import(name: str, so: Path):
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
@@ -73,16 +81,26 @@ def extension():
                          + sys.version.encode() + _cpu_flags().encode() + " ".join(cflags).encode()).hexdigest()[:12]
     name = f"quantpipe_paged_decode_{key}"
     build = build_directory(name)
+    flock, so, ready = build.with_name(name + ".flock"), build / f"{name}.so", build / "ready"
     try:
         build.mkdir(parents=True, exist_ok=True)
+        # Built before (`ready` is written only after a build under the exclusive lock has
+        # loaded): import it under a shared lock, which waits only for a build in progress.
+        # Processes starting at once (a server's, a canary's two sides, tests beside them)
+        # neither queue behind each other nor run ninja again.
+        with _locked(flock, exclusive=False):
+            if ready.exists() and so.exists():
+                return _import(name, so)
         # torch guards a build with a `lock` file that its builder deletes when done; a builder
         # killed mid-build leaves it behind and every later load waits on it forever. Ours is
         # released by the OS when its holder dies: holding it, no other process is building
         # here, so a `lock` file found now is stale.
-        with _exclusive(build.with_name(name + ".flock")):
+        with _locked(flock, exclusive=True):
             (build / "lock").unlink(missing_ok=True)
-            return load(name, [str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
-                        build_directory=str(build), verbose=False)
+            module = load(name, [str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
+                          build_directory=str(build), verbose=False)
+            ready.write_text(f"{so.name}\n")
+            return module
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: the torch path still works
         log.warning("CPU kernels unavailable (%s): decode attention uses gather + GEMMs, element-wise ops "
                     "and W8A16 decode torch's",

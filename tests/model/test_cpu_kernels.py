@@ -1,5 +1,10 @@
 """The runtime's CPU kernels are turned off by an engine argument, named in `serve --help`."""
 
+import fcntl
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -56,3 +61,32 @@ def test_a_turned_off_kernel_leaves_its_quantized_layers_to_torch():
     model = nn.Sequential(nn.Linear(64, 8, bias=False))
     chosen = swap_linears(model, {"0": qw}, torch.float32, torch.device("cpu"), cpu_kernels=CpuKernels.parse("packed"))
     assert chosen == {"0": "dequant"}
+
+
+def _load_in_a_new_process() -> subprocess.CompletedProcess:
+    code = "from quantpipe.runtime.model.cpu_attention import extension; print(extension() is not None)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+
+
+def test_the_built_kernels_load_beside_other_loaders_and_after_a_killed_build():
+    """A process loading the built module never queues behind another one loading it (held
+    mid-load here by a shared lock, as a paused process would hold it); without the `ready`
+    mark, and with the `lock` file a killed torch build leaves, it builds again and loads."""
+    from quantpipe.runtime.model.cpu_attention import extension
+
+    ext = extension()
+    if ext is None:
+        pytest.skip("no C++ compiler on this machine: the kernels are not built")
+    build = Path(ext.__file__).parent
+    with open(build.with_name(build.name + ".flock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        try:
+            proc = _load_in_a_new_process()
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+    assert proc.stdout.strip() == "True", proc.stderr[-2000:]
+    (build / "ready").unlink()
+    (build / "lock").write_text("")
+    proc = _load_in_a_new_process()
+    assert proc.stdout.strip() == "True", proc.stderr[-2000:]
+    assert (build / "ready").exists() and not (build / "lock").exists()
