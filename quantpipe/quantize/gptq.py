@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from quantpipe.quantize.rtn import WeightScheme, dequantize, qparams, quantize
+from quantpipe.quantize.rtn import WeightScheme, qparams
 
 
 class HessianError(RuntimeError):
@@ -68,13 +68,14 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
     h = h[perm][:, perm]
     hinv, used = inverse_hessian_cholesky(h, dampening)
     hinv = hinv.float()
-    group_of = (perm // gs)  # original group of each (permuted) column
+    group_of = (perm // gs).tolist()  # original group of each (permuted) column
     if not act_order:
         scale = torch.zeros(n, k // gs)
         zero = torch.zeros(n, k // gs) if not scheme.symmetric else None
     q_out = torch.zeros(n, k, dtype=torch.int8)
     step = max(block_size, gs) if not act_order else block_size
-    one_col = WeightScheme(scheme.num_bits, 1, scheme.symmetric)
+    per_group = WeightScheme(scheme.num_bits, None, scheme.symmetric)
+    q_min, q_max = scheme.q_min, scheme.q_max
     for i1 in range(0, k, step):
         i2 = min(i1 + step, k)
         w1 = w[:, i1:i2].clone()
@@ -85,18 +86,20 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
             if not act_order and col % gs == 0:
                 # The group's grid, from its weights as updated so far.
                 g = col // gs
-                s, z = qparams(w1[:, i:i + gs], WeightScheme(scheme.num_bits, None, scheme.symmetric),
-                               1.0 if shrink is None else shrink[:, g:g + 1])
+                s, z = qparams(w1[:, i:i + gs], per_group, 1.0 if shrink is None else shrink[:, g:g + 1])
                 scale[:, g] = s[:, 0].to(scale_dtype).float()
                 if zero is not None:
                     zero[:, g] = z[:, 0]
+            # One column onto its group's grid and back: rtn.quantize and QuantWeight.dequantize's
+            # arithmetic, written out for a single column (this loop runs once per input feature).
             g = group_of[col]
             s_col = scale[:, g:g + 1]
             z_col = None if zero is None else zero[:, g:g + 1]
             wc = w1[:, i:i + 1]
-            qc = quantize(wc, s_col, z_col, one_col)
+            x = wc / s_col
+            qc = torch.round(x if z_col is None else x + z_col).clamp_(q_min, q_max)
             q_out[:, col] = qc[:, 0]
-            err = (wc - dequantize(qc, s_col, z_col, one_col)) / hinv1[i, i]
+            err = (wc - (qc if z_col is None else qc - z_col) * s_col) / hinv1[i, i]
             w1[:, i:] -= err @ hinv1[i:i + 1, i:]
             err1[:, i:i + 1] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
