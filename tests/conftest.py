@@ -7,6 +7,27 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules with an IDLE_JOB run last, so that their jobs get the whole session's idle time."""
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "IDLE_JOB", None) is not None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def idle_jobs(request, tmp_path_factory):
+    """The selected modules' IDLE_JOB chains (tests/idle_jobs.py), started at the session's
+    first test on CPU time the other tests leave idle, and stopped when the session ends."""
+    from tests.idle_jobs import IdleJobs
+
+    jobs = IdleJobs()
+    modules = {m.__name__: m for m in (getattr(item, "module", None) for item in request.session.items) if m}
+    for name, module in modules.items():  # in the order the session runs them
+        if getattr(module, "IDLE_JOB", None) is not None:
+            jobs.add(name, module.IDLE_JOB, tmp_path_factory.mktemp(name.rsplit(".", 1)[-1]))
+    jobs.start()
+    yield jobs
+    jobs.stop()
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     from quantpipe.runtime.model.loader import default_model_path
@@ -45,12 +66,22 @@ def corpus_prompts():
 
 
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
-    out = []
+    """HF transformers' greedy continuation of each prompt. Prompts of one length run as one
+    batch, without padding, for as many tokens as the longest request of the batch, each row
+    then cut to its own count: every row is what it would be alone (greedy tokens do not
+    depend on how many follow; float32 rows differ at most in summation order), and a model
+    that reads all its weights per decode step does so once per batch, not once per prompt."""
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    out: list[list[int]] = [[] for _ in prompts]
     with torch.no_grad():
-        for ids, n in zip(prompts, max_new_tokens):
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            out.append(gen[0, len(ids):].tolist())
+        for n, rows in by_length.items():
+            batch = torch.tensor([prompts[i] for i in rows])
+            gen = model.generate(batch, max_new_tokens=max(max_new_tokens[i] for i in rows), do_sample=False,
+                                 pad_token_id=0, attention_mask=torch.ones_like(batch))
+            for i, row in zip(rows, gen):
+                out[i] = row[n:n + max_new_tokens[i]].tolist()
     return out
 
 

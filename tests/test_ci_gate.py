@@ -27,21 +27,45 @@ def _env(**extra: str) -> dict:
     return dict(os.environ, TOKENIZERS_PARALLELISM="false", **_pinned_cpu(), **extra)
 
 
-def _quantpipe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quantpipe", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=env or _env(), timeout=1500)
+def _quantpipe(run, *args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "quantpipe", *args], cwd=ROOT, env=_env(), timeout=1500)
+
+
+def _ci_gate_job(runner, folder: Path) -> dict:
+    """Every command of this module, in order (tests/idle_jobs.py runs them beside the suite):
+    the gate script on main, then the harmful candidate's quantize, eval and gate."""
+    out, bad = folder / "ci-gate", folder / "rounds-only"
+    bad.mkdir()
+    done = {"out": out, "bad": bad}
+    done["ci-gate"] = runner.run(["bash", str(ROOT / "scripts" / "ci-gate")], cwd=ROOT,
+                                 env=_env(CI_GATE_OUT=str(out)), timeout=1700)
+    # The W4A16 candidate as a change that loses GPTQ's error feedback would make it: same
+    # scheme, group size and name, its columns only rounded to the grid (what GPTQ with a
+    # dampening that swamps the Hessian computes). Built by `quantpipe quantize --method rtn`
+    # with the gate's pinned CPU paths: no hook in the GPTQ code.
+    art = bad / "ci-w4a16-gptq"
+    for step, args in (
+            ("quantize", ("quantize", "--scheme", "W4A16", "--method", "rtn", "--group-size", "64", "--out", str(art))),
+            ("eval", ("eval", "--candidate", str(art), "--calib", str(out / "calib"), "--suite",
+                      str(ROOT / "evals" / "suites" / "ci.yaml"), "--quality-only", "--out", str(bad / "report"))),
+            ("gate", ("gate", str(bad / "report"), "--against", str(BASELINE)))):
+        done[step] = proc = _quantpipe(runner.run, *args)
+        if proc.returncode != (1 if step == "gate" else 0):
+            break
+    return done
+
+
+IDLE_JOB = _ci_gate_job
 
 
 @pytest.fixture(scope="module")
-def ci_gate_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ci-gate")
-    run = subprocess.run(["bash", str(ROOT / "scripts" / "ci-gate")], cwd=ROOT, capture_output=True, text=True,
-                         env=_env(CI_GATE_OUT=str(out)), timeout=1700)
-    return out, run
+def ci_gate_run(idle_jobs) -> dict:
+    """The job's results: {"out": folder, "ci-gate": process, ...} (see _ci_gate_job)."""
+    return idle_jobs.result(__name__)
 
 
 def test_main_passes_the_regression_gate(ci_gate_run):
-    out, run = ci_gate_run
+    out, run = ci_gate_run["out"], ci_gate_run["ci-gate"]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     verdict = json.loads((out / "report" / "regression.json").read_text())
     assert verdict["verdict"] == "pass" and not verdict["problems"]
@@ -52,23 +76,15 @@ def test_main_passes_the_regression_gate(ci_gate_run):
     assert any(".strata." in r["metric"] for r in verdict["rules"])
 
 
-def test_gptq_that_only_rounds_fails_the_gate(ci_gate_run, tmp_path):
-    out, _ = ci_gate_run
-    # The W4A16 candidate as a change that loses GPTQ's error feedback would make it: same
-    # scheme, group size and name, its columns only rounded to the grid (what GPTQ with a
-    # dampening that swamps the Hessian computes). GPTQ's gain over rounding is what the
-    # references hold, so the gate must see it go. Built by `quantpipe quantize --method rtn`
-    # with the gate's pinned CPU paths: no hook in the GPTQ code.
-    art = tmp_path / "ci-w4a16-gptq"
-    q = _quantpipe("quantize", "--scheme", "W4A16", "--method", "rtn", "--group-size", "64", "--out", str(art))
+def test_gptq_that_only_rounds_fails_the_gate(ci_gate_run):
+    # GPTQ's gain over rounding is what the references hold, so the gate must see it go.
+    bad = ci_gate_run["bad"]
+    q, e, g = (ci_gate_run.get(step) for step in ("quantize", "eval", "gate"))
     assert q.returncode == 0, q.stderr[-3000:]
-    assert json.loads((art / "quantpipe.json").read_text())["method"] == "rtn"
-    e = _quantpipe("eval", "--candidate", str(art), "--calib", str(out / "calib"), "--suite",
-                   str(ROOT / "evals" / "suites" / "ci.yaml"), "--quality-only", "--out", str(tmp_path / "report"))
-    assert e.returncode == 0, e.stderr[-3000:]
-    g = _quantpipe("gate", str(tmp_path / "report"), "--against", str(BASELINE))
-    assert g.returncode == 1, g.stdout + g.stderr
-    verdict = json.loads((tmp_path / "report" / "regression.json").read_text())
+    assert json.loads((bad / "ci-w4a16-gptq" / "quantpipe.json").read_text())["method"] == "rtn"
+    assert e is not None and e.returncode == 0, e.stderr[-3000:]
+    assert g is not None and g.returncode == 1, g.stdout + g.stderr
+    verdict = json.loads((bad / "report" / "regression.json").read_text())
     failed = {r["metric"] for r in verdict["rules"] if r["result"] == "fail"}
     assert {"quality.kl_mean", "quality.top1_agreement"} <= failed, failed
     assert all(r["candidate"] == "ci-w4a16-gptq" for r in verdict["rules"])

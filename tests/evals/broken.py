@@ -98,3 +98,12 @@ def build(tmp: Path, sample_set: str, w8a16_artifact: str) -> dict[str, str]:
     return {Path(c).name: c for c in candidates}
 
 
+
+
+if __name__ == "__main__":
+    # python -m tests.evals.broken OUT CALIB_SET W8A16_ARTIFACT: build the six into OUT and
+    # print {name: folder} as JSON (tests/evals/test_eval_gate.py builds them in a subprocess).
+    import sys
+
+    out, calib_set, w8a16 = sys.argv[1:4]
+    print(json.dumps(build(Path(out), calib_set, w8a16)))

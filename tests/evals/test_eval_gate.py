@@ -12,14 +12,13 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from quantpipe.cli import main
-from quantpipe.eval.stage import evaluate
-from quantpipe.eval.suite import EvalSuite
 from quantpipe.gate import DEFAULT_POLICY, gate, resolve
 from quantpipe.manifest import StageError
 from tests.evals import broken
@@ -36,32 +35,46 @@ OBVIOUS = ("quality: {max_texts: 16, max_tokens: 96, bootstrap: 400}\n"
            "generation: {prompts: 2, max_tokens: 8}\n"
            "mc: {tasks: [general_knowledge], limit: 8}\n")
 DAMAGED = broken.DAMAGED
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gate_job(runner, folder: Path) -> dict:
+    """This module's candidates and its two evals, by `quantpipe` commands (tests/idle_jobs.py
+    runs them beside the suite): {"careful" | "obvious": (report folder, {name: artifact})}."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+
+    def run(*argv) -> str:
+        proc = runner.run([sys.executable, *map(str, argv)], cwd=ROOT, env=env, timeout=1500)
+        assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-3000:])
+        return proc.stdout
+
+    calib, w8 = folder / "sample-set", folder / "w8a16"
+    run("-m", "quantpipe", "calibrate", "--recipe", "calib_sets/recipes/sample.yaml", "--out", calib, "--no-progress")
+    run("-m", "quantpipe", "quantize", "--scheme", "W8A16", "--out", w8)
+    artifacts = json.loads(run("-m", "tests.evals.broken", folder / "candidates", calib, w8).splitlines()[-1])
+    reports = {}
+    for name, names, suite in (("careful", ["w8a16", "scales-off", "code-damaged", "kv-int8"], CAREFUL),
+                               ("obvious", ["w2", "kv-scales-off"], OBVIOUS)):
+        (folder / f"{name}.yaml").write_text(suite)
+        run("-m", "quantpipe", "eval", *[a for n in names for a in ("--candidate", artifacts[n])], "--calib", calib,
+            "--suite", folder / f"{name}.yaml", "--quality-only", "--out", folder / name)
+        reports[name] = folder / name, {n: artifacts[n] for n in names}
+    return reports
+
+
+IDLE_JOB = _gate_job
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory, sample_set, w8a16_artifact) -> dict[str, str]:
-    """The six candidates, by name."""
-    return broken.build(tmp_path_factory.mktemp("gate"), sample_set, w8a16_artifact)
-
-
-def _report(tmp, sample_set, artifacts, names, suite) -> tuple[Path, dict[str, str]]:
-    (tmp / "suite.yaml").write_text(suite)
-    evaluate([artifacts[n] for n in names], sample_set, str(tmp / "report"),
-             suite=EvalSuite.load(str(tmp / "suite.yaml")), scope="quality")
-    return tmp / "report", {n: artifacts[n] for n in names}
-
-
-@pytest.fixture(scope="module")
-def report(tmp_path_factory, sample_set, artifacts):
+def report(idle_jobs):
     """(report folder, {name: artifact}) of the careful eval."""
-    return _report(tmp_path_factory.mktemp("careful"), sample_set, artifacts,
-                   ["w8a16", "scales-off", "code-damaged", "kv-int8"], CAREFUL)
+    return idle_jobs.result(__name__)["careful"]
 
 
 @pytest.fixture(scope="module")
-def obvious(tmp_path_factory, sample_set, artifacts):
+def obvious(idle_jobs):
     """(report folder, {name: artifact}) of the small eval."""
-    return _report(tmp_path_factory.mktemp("obvious"), sample_set, artifacts, ["w2", "kv-scales-off"], OBVIOUS)
+    return idle_jobs.result(__name__)["obvious"]
 
 
 def _verdict(report, name, **kw):

@@ -1,0 +1,116 @@
+"""Expensive subprocess chains that run beside the rest of the suite, on idle CPU time.
+
+Much of the suite leaves a core idle (servers waiting for requests, windows of traffic,
+an MLflow server starting), while a few modules are pure computation that only spawns
+`quantpipe` commands (the regression gate: calibrate, GPTQ, evals). Such a module sets
+`IDLE_JOB = fn`, where fn(runner, folder) runs its commands through `runner.run` and
+returns their results. The session starts the selected modules' jobs at its first test,
+one after another in a thread, each command under the SCHED_IDLE policy (`nice 19` where
+that policy is missing) in a session niced to 19: the scheduler gives them only CPU time
+no other process wants, so the tests around them run as they would alone. The modules
+themselves run last, and their fixtures wait for `IdleJobs.result(name)`; while the suite
+waits, a job has both cores to itself.
+
+What a job computes does not depend on when it runs: every command is deterministic (the
+regression gate pins its CPU code paths), only the wall time moves. A lock a job's command
+shares with the other tests would let an idle-priority holder stall them, which is why the
+runtime loads its built C++ kernels under a shared lock (runtime/model/cpu_attention.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable
+
+
+def _idle_priority() -> None:
+    """In the child, after it started its own session and before exec: lowest CPU priority,
+    inherited by its threads and children. Where the kernel groups each session for fair
+    sharing (autogroup), a thread's policy counts only inside its group, and a new session
+    would get as much CPU as the tests' own group: the group is niced to 19 as well."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+    except OSError:  # no autogroup: the policy above is all the scheduler looks at
+        pass
+
+
+class Runner:
+    """What a job gets: `run` starts a command at idle priority and waits for it."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the session ended before this job's command started")
+            # Passive OpenMP waits: a thread of the job whose partner was preempted sleeps
+            # instead of spinning through idle time the job could compute in.
+            proc = subprocess.Popen(argv, cwd=cwd, env={**env, "OMP_WAIT_POLICY": "PASSIVE"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=_idle_priority, start_new_session=True)
+            self._procs.append(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._kill(proc)
+            out, err = proc.communicate()
+            raise AssertionError(f"{argv[:4]} ran past {timeout:g} s:\n{out[-2000:]}\n{err[-2000:]}") from None
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the command and everything it started
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            for proc in self._procs:
+                if proc.poll() is None:
+                    self._kill(proc)
+
+
+class IdleJobs:
+    """The session's jobs by module name, run one after another in the order they were added
+    (the order the suite waits for them): two at once would only share the same idle time."""
+
+    def __init__(self) -> None:
+        self._jobs: list[tuple[Callable[[Runner, Path], object], Path, Future]] = []
+        self._futures: dict[str, Future] = {}
+        self._runner = Runner()
+
+    def add(self, name: str, job: Callable[[Runner, Path], object], folder: Path) -> None:
+        self._futures[name] = future = Future()
+        self._jobs.append((job, folder, future))
+
+    def start(self) -> None:
+        def work() -> None:
+            for job, folder, future in self._jobs:
+                try:
+                    future.set_result(job(self._runner, folder))
+                except BaseException as e:  # handed to the test that waits for it
+                    future.set_exception(e)
+
+        threading.Thread(target=work, name="idle-jobs", daemon=True).start()
+
+    def result(self, name: str):
+        """The job's return value, once it has finished; its exception if it raised."""
+        return self._futures[name].result()
+
+    def stop(self) -> None:
+        self._runner.stop()
