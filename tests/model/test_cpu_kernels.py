@@ -1,6 +1,8 @@
 """The runtime's CPU kernels are turned off by an engine argument, named in `serve --help`."""
 
 import fcntl
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,15 +65,17 @@ def test_a_turned_off_kernel_leaves_its_quantized_layers_to_torch():
     assert chosen == {"0": "dequant"}
 
 
-def _load_in_a_new_process() -> subprocess.CompletedProcess:
+def _load_in_a_new_process(**env: str) -> subprocess.CompletedProcess:
     code = "from quantpipe.runtime.model.cpu_attention import extension; print(extension() is not None)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **env})
 
 
-def test_the_built_kernels_load_beside_other_loaders_and_after_a_killed_build():
+def test_the_built_kernels_load_beside_other_loaders_and_after_a_killed_build(tmp_path):
     """A process loading the built module never queues behind another one loading it (held
     mid-load here by a shared lock, as a paused process would hold it); without the `ready`
-    mark, and with the `lock` file a killed torch build leaves, it builds again and loads."""
+    mark, and with the `lock` file a killed torch build leaves, it builds again and loads
+    (in a copy of the build, so the shared cache is left as it was)."""
     from quantpipe.runtime.model.cpu_attention import extension
 
     ext = extension()
@@ -85,8 +89,9 @@ def test_the_built_kernels_load_beside_other_loaders_and_after_a_killed_build():
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
     assert proc.stdout.strip() == "True", proc.stderr[-2000:]
-    (build / "ready").unlink()
-    (build / "lock").write_text("")
-    proc = _load_in_a_new_process()
+    copy = shutil.copytree(build, tmp_path / build.name)
+    (copy / "ready").unlink()
+    (copy / "lock").write_text("")
+    proc = _load_in_a_new_process(TORCH_EXTENSIONS_DIR=str(tmp_path))
     assert proc.stdout.strip() == "True", proc.stderr[-2000:]
-    assert (build / "ready").exists() and not (build / "lock").exists()
+    assert (copy / "ready").exists() and not (copy / "lock").exists()
