@@ -7,9 +7,14 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def _idle_job(module):
+    """The module's IDLE_JOB (tests/idle_jobs.py), or None."""
+    return getattr(module, "IDLE_JOB", None)
+
+
 def pytest_collection_modifyitems(config, items):
     """Modules with an IDLE_JOB run last, so that their jobs get the whole session's idle time."""
-    items.sort(key=lambda item: getattr(getattr(item, "module", None), "IDLE_JOB", None) is not None)
+    items.sort(key=lambda item: _idle_job(getattr(item, "module", None)) is not None)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -21,8 +26,8 @@ def idle_jobs(request, tmp_path_factory):
     jobs = IdleJobs()
     modules = {m.__name__: m for m in (getattr(item, "module", None) for item in request.session.items) if m}
     for name, module in modules.items():  # in the order the session runs them
-        if getattr(module, "IDLE_JOB", None) is not None:
-            jobs.add(name, module.IDLE_JOB, tmp_path_factory.mktemp(name.rsplit(".", 1)[-1]))
+        if _idle_job(module) is not None:
+            jobs.add(name, _idle_job(module), tmp_path_factory.mktemp(name.rsplit(".", 1)[-1]))
     jobs.start()
     yield jobs
     jobs.stop()
