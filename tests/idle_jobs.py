@@ -4,12 +4,16 @@ Much of the suite leaves a core idle (servers waiting for requests, windows of t
 an MLflow server starting), while a few modules are pure computation that only spawns
 `quantpipe` commands (the regression gate: calibrate, GPTQ, evals). Such a module sets
 `IDLE_JOB = fn`, where fn(runner, folder) runs its commands through `runner.run` and
-returns their results. The session starts the selected modules' jobs at its first test,
-one after another in a thread, each command under the SCHED_IDLE policy (`nice 19` where
-that policy is missing) in a session niced to 19: the scheduler gives them only CPU time
-no other process wants, so the tests around them run as they would alone. The modules
-themselves run last, and their fixtures wait for `IdleJobs.result(name)`; while the suite
-waits, a job has both cores to itself.
+returns their results, or `IDLE_JOB = {"key": fn, ...}` for chains that do not depend on
+each other (its result is then {"key": fn's result}). The session starts the selected
+modules' chains at its first test, as many at once as it has CPUs, each command on one
+thread under the SCHED_IDLE policy (`nice 19` where that policy is missing) in a session
+niced to 19: the scheduler gives them only CPU time no other process wants, so the tests
+around them run as they would alone. One thread per command: a chain then computes on
+whichever core is free, where a two-thread command beside a busy core waits at every
+barrier for its thread on that core (and the regression gate's run of one thread took
+0.83x the CPU time of two, with an identical GPTQ artifact). The modules themselves run
+last, and their fixtures wait for `IdleJobs.result(name)`.
 
 What a job computes does not depend on when it runs: every command is deterministic (the
 regression gate pins its CPU code paths), only the wall time moves. A lock a job's command
@@ -20,6 +24,7 @@ runtime loads its built C++ kernels under a shared lock (runtime/model/cpu_atten
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import threading
@@ -56,9 +61,9 @@ class Runner:
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the session ended before this job's command started")
-            # Passive OpenMP waits: a thread of the job whose partner was preempted sleeps
-            # instead of spinning through idle time the job could compute in.
-            proc = subprocess.Popen(argv, cwd=cwd, env={**env, "OMP_WAIT_POLICY": "PASSIVE"},
+            # One compute thread (see the module's text), which waits passively in OpenMP.
+            one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+            proc = subprocess.Popen(argv, cwd=cwd, env={**env, **one_thread},
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     preexec_fn=_idle_priority, start_new_session=True)
             self._procs.append(proc)
@@ -86,31 +91,48 @@ class Runner:
 
 
 class IdleJobs:
-    """The session's jobs by module name, run one after another in the order they were added
-    (the order the suite waits for them): two at once would only share the same idle time."""
+    """The session's chains by module name, run by one worker per CPU in the order they were
+    added (the order the suite waits for them)."""
 
     def __init__(self) -> None:
-        self._jobs: list[tuple[Callable[[Runner, Path], object], Path, Future]] = []
-        self._futures: dict[str, Future] = {}
+        self._chains: queue.SimpleQueue = queue.SimpleQueue()
+        self._futures: dict[str, Future | dict[str, Future]] = {}
         self._runner = Runner()
 
-    def add(self, name: str, job: Callable[[Runner, Path], object], folder: Path) -> None:
-        self._futures[name] = future = Future()
-        self._jobs.append((job, folder, future))
+    def add(self, name: str, job: Callable[[Runner, Path], object] | dict[str, Callable[[Runner, Path], object]],
+            folder: Path) -> None:
+        if callable(job):
+            self._futures[name] = future = Future()
+            self._chains.put((job, folder, future))
+            return
+        self._futures[name] = {}
+        for key, chain in job.items():
+            self._futures[name][key] = future = Future()
+            (folder / key).mkdir()
+            self._chains.put((chain, folder / key, future))
 
     def start(self) -> None:
         def work() -> None:
-            for job, folder, future in self._jobs:
+            while True:
+                try:
+                    job, folder, future = self._chains.get_nowait()
+                except queue.Empty:
+                    return
                 try:
                     future.set_result(job(self._runner, folder))
                 except BaseException as e:  # handed to the test that waits for it
                     future.set_exception(e)
 
-        threading.Thread(target=work, name="idle-jobs", daemon=True).start()
+        for k in range(len(os.sched_getaffinity(0))):
+            threading.Thread(target=work, name=f"idle-jobs-{k}", daemon=True).start()
 
     def result(self, name: str):
-        """The job's return value, once it has finished; its exception if it raised."""
-        return self._futures[name].result()
+        """The job's return value, once it has finished; its exception if it raised. For a
+        dict of chains, {key: that chain's return value}."""
+        futures = self._futures[name]
+        if isinstance(futures, Future):
+            return futures.result()
+        return {key: future.result() for key, future in futures.items()}
 
     def stop(self) -> None:
         self._runner.stop()
