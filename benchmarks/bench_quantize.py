@@ -105,8 +105,7 @@ def main() -> int:
             cfg = QuantConfig(**opts)
             out = os.path.join(tmp, name)
             t = time.perf_counter()
-            needs_calib = cfg.method == "gptq" or cfg.scheme == "W8A8"
-            art = quantize(None, cfg, args.calib if needs_calib else None, out)
+            art = quantize(None, cfg, args.calib if cfg.calibration_need() else None, out)
             quant_s = time.perf_counter() - t
             cand, _, _ = load_model(out, torch.float32)
             t = time.perf_counter()
