@@ -12,9 +12,7 @@ session niced to 19: the scheduler gives them only CPU time no other process wan
 tests around them run as they would alone. One thread per command: a chain then computes
 on whichever core is free, where a two-thread command beside a busy core waits at every
 barrier for its thread on that core (and the regression gate's run on one thread took
-0.83x the CPU time of two, with an identical GPTQ artifact). Not every chain at once:
-with three beside the suite, the other tests slowed (the end-to-end pipeline test 107 s
-against 76 s) and the suite took 1,226 s against 1,072 s. The modules themselves run
+0.83x the CPU time of two, with an identical GPTQ artifact). The modules themselves run
 last, and their fixtures wait for `IdleJobs.result(name)`.
 
 What a job computes does not depend on when it runs: every command is deterministic (the
