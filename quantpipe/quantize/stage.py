@@ -176,22 +176,51 @@ def smooth(model, samples: list[list[int]], alpha: float) -> dict:
 GPTQ_CLIP_SHRINKS = {4: awq.SHRINKS, 8: tuple(1 - 0.01 * i for i in range(21))}
 
 
+class _InputsTaken(Exception):
+    """Raised by the input hook of a layer's last Linear once its input is in: the rest of
+    that calibration pass computes only the layer's output, which `_layer_hessians` drops."""
+
+
+GRAM_BLOCK = 192  # columns per strip of `_add_gram`
+
+
+def _add_gram(h: torch.Tensor, x: torch.Tensor) -> None:
+    """h += x^T x in float64, only the strips of rows from the diagonal rightwards: x^T x is
+    symmetric, so `_mirror` fills the rest once every sample is in. 0.65x the time of the
+    full product at 576 inputs, 0.54x at 1536 (one core; BENCHMARKS.md, "GPTQ's Hessians")."""
+    for i in range(0, x.shape[1], GRAM_BLOCK):
+        h[i:i + GRAM_BLOCK, i:].addmm_(x[:, i:i + GRAM_BLOCK].t(), x[:, i:])
+
+
+def _mirror(h: torch.Tensor) -> torch.Tensor:
+    """The full matrix from the strips `_add_gram` accumulated (in place)."""
+    for i in range(0, h.shape[0], GRAM_BLOCK):
+        h[i + GRAM_BLOCK:, i:i + GRAM_BLOCK] = h[i:i + GRAM_BLOCK, i + GRAM_BLOCK:].t()
+    return h
+
+
 def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer, all_experts: bool = False
                     ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """H = 2 X^T X / n (float32) of each Linear in `mods` of layer i over the calibration tokens
     reaching it, and how many tokens the router sent it (experts see only theirs).
 
     `all_experts`: each expert's H is taken over every token of the layer (each expert also
-    runs on all of them, its outputs discarded); the layer's output still follows the router."""
+    runs on all of them, its outputs discarded); the layer's output still follows the router.
+
+    Without experts, every pass calls the Linears in the same order, so after the first pass
+    each stops at the last one's input (that pass's output is not used): on the default
+    model the down projection is not computed twice per layer."""
     hs = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in mods.items()}
     rows = dict.fromkeys(mods, 0)
     routed = dict.fromkeys(mods, 0)
     probing = {"on": False}  # inside the all-experts pass
+    order: list[str] = []  # the Linears in the order the first pass called them
+    last = {"name": None}  # the one whose input ends a pass, once that order is known
 
     def hook(name):
         expert = ".experts." in name
 
-        def f(module, inputs, output):
+        def f(module, inputs):
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
             if not probing["on"]:
                 routed[name] += x.shape[0]
@@ -199,9 +228,12 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
                     return
             # float64 throughout: float32 products per sequence (2x faster) lowered GPTQ's
             # top-1 agreement by 0.7 points on the CI gate's W4A16 candidate, past its tolerance.
-            x = x.double()
-            hs[name].add_(x.t() @ x)
+            _add_gram(hs[name], x.double())
             rows[name] += x.shape[0]
+            if last["name"] is None:
+                order.append(name)
+            elif name == last["name"]:
+                raise _InputsTaken
         return f
 
     def probe(moe, inputs):
@@ -212,15 +244,21 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
         finally:
             probing["on"] = False
 
-    handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in mods.items()]
     if all_experts and isinstance(layer.mlp, SparseMoE):
         handles.append(layer.mlp.register_forward_pre_hook(probe))
+    fixed_order = not any(".experts." in n for n in mods)
     with torch.inference_mode():
         for p, x in zip(passes, xs):
-            p.layer(i, x)
+            try:
+                p.layer(i, x)
+            except _InputsTaken:
+                pass
+            if fixed_order and last["name"] is None and sorted(order) == sorted(mods):
+                last["name"] = order[-1]
     for hnd in handles:
         hnd.remove()
-    return {n: (2 * h / max(rows[n], 1)).float() for n, h in hs.items()}, routed
+    return {n: (2 * _mirror(h) / max(rows[n], 1)).float() for n, h in hs.items()}, routed
 
 
 def _expert_report(cfg, i: int, routed: dict[str, int], all_experts: bool) -> dict | None:
