@@ -71,7 +71,14 @@ def _broken_copy(artifact: str, dst: Path) -> str:
 
 
 class Traffic:
-    """Chat conversations through the official client until stopped; remembers which side served each."""
+    """Chat conversations through the official client until stopped; remembers which side served each.
+
+    Each client pauses `PAUSE_S` after every answer, as users between turns do: the servers
+    are busy part of the time rather than all of it, so the canary's one-at-a-time mirrored
+    pairs are not queued behind a saturated side, and the rest of the suite gets the CPU
+    time a closed loop of back-to-back requests would take."""
+
+    PAUSE_S = 0.5
 
     def __init__(self, url: str):
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -94,6 +101,7 @@ class Traffic:
                     pass
                 self.sides.append((sent, conv, raw.headers.get("x-canary-side")))
                 self.log[k].append("ok")
+                self.stop.wait(self.PAUSE_S)
             except (openai.APIError, httpx.HTTPError) as e:
                 self.errors.append((sent, repr(e)))
                 refused = (isinstance(e, openai.APIConnectionError) and not isinstance(e, openai.APITimeoutError)) or (
