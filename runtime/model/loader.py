@@ -9,7 +9,6 @@ import importlib.util
 import os
 import re
 
-import numpy as np
 import torch
 
 from quantpipe.formats import artifact
@@ -248,9 +247,7 @@ GEMMA3_NAMES = [
 
 
 def load_gguf(path: str, dtype: torch.dtype):
-    from gguf.quants import dequantize
-
-    from quantpipe.runtime.model.gguf_file import read_gguf
+    from quantpipe.runtime.model.gguf_file import dequantize, read_gguf
     from quantpipe.runtime.model.tokenizer import tokenizer_from_gguf
 
     gguf = read_gguf(path)
@@ -267,7 +264,7 @@ def load_gguf(path: str, dtype: torch.dtype):
                 break
         else:
             raise ValueError(f"GGUF tensor {t.name!r} is not understood by this loader")
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = dequantize(t)
         if permute and name.endswith("q_proj.weight"):
             w = _unpermute(w, cfg.num_heads)
         elif permute and name.endswith("k_proj.weight"):
