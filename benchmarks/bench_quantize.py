@@ -27,13 +27,14 @@ sys.path.insert(0, ROOT)
 
 CONFIGS = {
     "w8a16": dict(scheme="W8A16"),
-    "w8a16-gptq": dict(scheme="W8A16", method="gptq"),
+    "w8a16-mse": dict(scheme="W8A16", clip="mse"),
+    "w8a16-gptq": dict(scheme="W8A16", method="gptq", clip="minmax"),
     "w8a16-gptq-mse": dict(scheme="W8A16", method="gptq", clip="mse"),
     "w4g64-rtn": dict(scheme="W4A16", group_size=64),
     "w4g64-mse": dict(scheme="W4A16", group_size=64, clip="mse"),
-    "w4g64-gptq": dict(scheme="W4A16", group_size=64, method="gptq"),
+    "w4g64-gptq": dict(scheme="W4A16", group_size=64, method="gptq", clip="minmax"),
     "w4g64-gptq-mse": dict(scheme="W4A16", group_size=64, method="gptq", clip="mse"),
-    "w4g64-gptq-actorder": dict(scheme="W4A16", group_size=64, method="gptq", act_order=True),
+    "w4g64-gptq-actorder": dict(scheme="W4A16", group_size=64, method="gptq", act_order=True, clip="minmax"),
     "w4g32-asym-rtn": dict(scheme="W4A16", group_size=32, symmetric=False),
     "w8a8-sq": dict(scheme="W8A8"),
     "w8a8-gptq-sq": dict(scheme="W8A8", method="gptq"),

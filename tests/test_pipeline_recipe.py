@@ -56,6 +56,14 @@ def test_every_quantize_field_is_reachable_from_a_recipe():
         assert getattr(cand.config, name) == expected, name
 
 
+def test_clip_defaults_to_each_methods_best_measured_grid():
+    # GPTQ searches each group's range by the layer's output error; RTN keeps min-max (BENCHMARKS.md).
+    assert QuantConfig().clip == "minmax" and QuantConfig(method="gptq").clip == "mse"
+    assert QuantConfig(method="gptq", clip="minmax").clip == "minmax"
+    (cand,) = _recipe([{"method": "gptq", "clip": None}]).candidates
+    assert cand.config.clip == "mse" and cand.name == "w4a16-gptq-mse"  # the name says what it is
+
+
 def test_default_recipe_is_a_ladder_of_valid_candidates():
     r = PipelineRecipe.load()
     assert r.path == str(DEFAULT_RECIPE) and r.publish and r.calib_recipe

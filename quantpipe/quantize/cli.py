@@ -15,8 +15,9 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, 
               help="32, 64 or 128 [default: W4A16 128 if it divides every layer, else 64, else 32; W8 per channel]")
 @click.option("--symmetric/--asymmetric", default=True, show_default=True)
 @click.option("--method", type=click.Choice(METHODS), default="rtn", show_default=True)
-@click.option("--clip", type=click.Choice(CLIPS), default="minmax", show_default=True,
-              help="grid range: mse searches it per group (RTN: rounding error; GPTQ: the layer's output error)")
+@click.option("--clip", type=click.Choice(CLIPS), default=None,
+              help="grid range: mse searches it per group (RTN: rounding error; GPTQ: the layer's output "
+                   "error) [default: mse for GPTQ, minmax otherwise]")
 @click.option("--dampening", type=float, default=0.01, show_default=True, help="GPTQ: x mean Hessian diagonal")
 @click.option("--act-order/--no-act-order", default=True, show_default=True,
               help="GPTQ: columns by decreasing Hessian diagonal (groups stay in order: actorder 'weight')")

@@ -29,8 +29,10 @@ class QuantConfig:
     method: str = "rtn"
     # The grid's range: min-max, or "mse": RTN takes the shrink with the least rounding error,
     # GPTQ the one with the least output error of the layer (AWQ always searches its own).
-    # With GPTQ on the shipped sample, W4 g64's perplexity increase went from +22.1% to +6.8%.
-    clip: str = "minmax"
+    # None: the method's best measured choice (BENCHMARKS.md), mse for GPTQ (W4 g64's perplexity
+    # increase +6.8% against +22.1% with min-max) and min-max for RTN (its weight-only search
+    # left W8's KL unchanged and raised W4's perplexity increase, at 6-10x the time).
+    clip: str | None = None
     dampening: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added to it
     block_size: int = 128  # GPTQ: columns per lazy-update block
     # GPTQ: quantize columns by decreasing Hessian diagonal, groups and scales kept in the
@@ -119,6 +121,8 @@ class QuantConfig:
         if self.kv_cache_strategy not in KV_STRATEGIES:
             raise StageError(f"kv_cache_strategy must be one of {', '.join(KV_STRATEGIES)}; "
                              f"got {self.kv_cache_strategy!r}")
+        if self.clip is None:
+            self.clip = "mse" if self.method == "gptq" else "minmax"
         if self.clip not in CLIPS:
             raise StageError(f"clip must be one of {', '.join(CLIPS)}; got {self.clip!r}")
         if self.group_size is not None and self.group_size not in GROUP_SIZES:
@@ -170,5 +174,5 @@ _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "c
           "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str, "smoothquant_alpha": (int, float),
           "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
           "kv_cache_strategy": str, "calibrate_all_experts": bool}
-_OPTIONAL = {"group_size", "smoothquant_alpha", "bits_budget"}  # null is a value of these
+_OPTIONAL = {"group_size", "clip", "smoothquant_alpha", "bits_budget"}  # null is a value of these
 assert set(_TYPES) == {f.name for f in dataclasses.fields(QuantConfig)}, "every field needs a type for from_dict"

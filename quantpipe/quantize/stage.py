@@ -300,7 +300,8 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
         for local_name, mod in mods.items():
             name, scheme = f"layers.{i}.{local_name}", schemes[f"layers.{i}.{local_name}"]
             if ".experts." in local_name and not torch.any(hs[local_name].diagonal()):  # no token reached it
-                qw = _rtn(mod.weight, scheme, scale_dtype, cfg.clip)
+                # RTN's own grid: without a token there is no output error for a range search to weigh.
+                qw = _rtn(mod.weight, scheme, scale_dtype)
                 experts[f"layers.{i}"].setdefault("rtn_without_tokens", []).append(local_name)
             elif cfg.method == "awq":
                 q, scale, zero = awq.quantize_clipped(mod.weight.float(), hs[local_name], scheme, scale_dtype)
