@@ -1,6 +1,6 @@
 """Time to quantize the default model with GPTQ on N sequences of exactly L tokens.
 
-    .venv/bin/python benchmarks/bench_gptq_time.py [--samples 512] [--seq-len 512] [--group-size 64]
+    .venv/bin/python benchmarks/bench_gptq_time.py [--samples 512] [--seq-len 512] [--group-size 64] [--clip minmax]
 
 The sequences are cut back to back from Python's own documentation (pydoc topics, in
 sorted order), so every one has the full length, which a calibration set of real
@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=512)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--clip", choices=("minmax", "mse"), default=None, help="[default: GPTQ's, mse]")
     args = ap.parse_args()
 
     from pydoc_data.topics import topics
@@ -41,12 +42,13 @@ def main() -> int:
         stream = stream * (need // len(stream) + 1)  # pydoc holds ~1.1M tokens: only for very large asks
     samples = [stream[i * args.seq_len:(i + 1) * args.seq_len] for i in range(args.samples)]
     cfg = QuantConfig(scheme="W4A16", group_size=args.group_size, method="gptq", calib_samples=args.samples,
-                      calib_seq_len=args.seq_len)
+                      calib_seq_len=args.seq_len, clip=args.clip)
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         art = quantize(None, cfg, None, os.path.join(tmp, "gptq"), calib_token_ids=samples)
         took = time.perf_counter() - t
-    print(json.dumps({"samples": args.samples, "seq_len": args.seq_len, "tokens": need, "wall_s": round(took, 1),
+    print(json.dumps({"samples": args.samples, "seq_len": args.seq_len, "tokens": need, "clip": cfg.clip,
+                      "wall_s": round(took, 1),
                       "manifest_time_s": art.manifest.get("time_s"), "threads": torch.get_num_threads()}))
     return 0
 
