@@ -37,7 +37,7 @@ CONFIGS = {
     "w4g64-gptq-actorder": dict(scheme="W4A16", group_size=64, method="gptq", act_order=True, clip="minmax"),
     "w4g32-asym-rtn": dict(scheme="W4A16", group_size=32, symmetric=False),
     "w8a8-sq": dict(scheme="W8A8"),
-    "w8a8-gptq-sq": dict(scheme="W8A8", method="gptq"),
+    "w8a8-gptq-sq": dict(scheme="W8A8", method="gptq", clip="minmax"),
 }
 
 

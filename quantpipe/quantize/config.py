@@ -31,7 +31,7 @@ class QuantConfig:
     # GPTQ the one with the least output error of the layer (AWQ always searches its own).
     # None: the method's best measured choice (BENCHMARKS.md), mse for GPTQ (W4 g64's perplexity
     # increase +6.8% against +22.1% with min-max) and min-max for RTN (its weight-only search
-    # left W8's KL unchanged and raised W4's perplexity increase, at 6-10x the time).
+    # left W8's KL unchanged and raised W4's perplexity increase, at 7-11x the time).
     clip: str | None = None
     dampening: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added to it
     block_size: int = 128  # GPTQ: columns per lazy-update block

@@ -214,8 +214,8 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
     rows = dict.fromkeys(mods, 0)
     routed = dict.fromkeys(mods, 0)
     probing = {"on": False}  # inside the all-experts pass
-    order: list[str] = []  # the Linears in the order the first pass called them
-    last = {"name": None}  # the one whose input ends a pass, once that order is known
+    order: list[str] | None = []  # the Linears in the order the first pass calls them; None after it
+    last = None  # the Linear whose input ends each later pass (layers without experts)
 
     def hook(name):
         expert = ".experts." in name
@@ -230,9 +230,9 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
             # top-1 agreement by 0.7 points on the CI gate's W4A16 candidate, past its tolerance.
             _add_gram(hs[name], x.double())
             rows[name] += x.shape[0]
-            if last["name"] is None:
+            if order is not None:
                 order.append(name)
-            elif name == last["name"]:
+            elif name == last:
                 raise _InputsTaken
         return f
 
@@ -247,15 +247,16 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in mods.items()]
     if all_experts and isinstance(layer.mlp, SparseMoE):
         handles.append(layer.mlp.register_forward_pre_hook(probe))
-    fixed_order = not any(".experts." in n for n in mods)
     with torch.inference_mode():
         for p, x in zip(passes, xs):
             try:
                 p.layer(i, x)
             except _InputsTaken:
                 pass
-            if fixed_order and last["name"] is None and sorted(order) == sorted(mods):
-                last["name"] = order[-1]
+            if order is not None:  # the first pass: each Linear once, in a fixed order without experts
+                if not any(".experts." in n for n in mods) and sorted(order) == sorted(mods):
+                    last = order[-1]
+                order = None
     for hnd in handles:
         hnd.remove()
     return {n: (2 * _mirror(h) / max(rows[n], 1)).float() for n, h in hs.items()}, routed
