@@ -6,7 +6,7 @@ stage and test that loads a model or a tokenizer. This reader decodes string arr
 one pass over the bytes and maps the tensor data without copying; the data arrays have
 the shapes and dtypes `gguf.quants.dequantize` expects (GGUFReader's). `dequantize` turns a
 tensor into float32 torch weights: Q4_1 and Q8_0 (every weight of the default model) with
-torch's kernels, to the bit what gguf's numpy code computes in 0.4x its time; other
+torch's kernels, to the bit what gguf's numpy code computes in about 0.6x its time; other
 types through gguf's code.
 """
 
