@@ -1,18 +1,21 @@
 """Expensive subprocess chains that run beside the rest of the suite, on idle CPU time.
 
-Much of the suite leaves a core idle (servers waiting for requests, windows of traffic,
-an MLflow server starting), while a few modules are pure computation that only spawns
+Much of the suite leaves a core idle (servers waiting for requests, windows of traffic, an
+MLflow server starting), while a few modules are pure computation that only spawns
 `quantpipe` commands (the regression gate: calibrate, GPTQ, evals). Such a module sets
 `IDLE_JOB = fn`, where fn(runner, folder) runs its commands through `runner.run` and
 returns their results, or `IDLE_JOB = {"key": fn, ...}` for chains that do not depend on
 each other (its result is then {"key": fn's result}). The session starts the selected
-modules' chains at its first test, one worker per CPU taking them in order, each command
-on one thread under the SCHED_IDLE policy (`nice 19` where that policy is missing) in a
-session niced to 19: the scheduler gives them only CPU time no other process wants, so the
-tests around them run as they would alone. One thread per command: a chain then computes
-on whichever core is free, where a two-thread command beside a busy core waits at every
-barrier for its thread on that core (and the regression gate's run on one thread took
-0.83x the CPU time of two, with an identical GPTQ artifact). The modules themselves run
+modules' chains at its first test, all at once, each command on one thread under the
+SCHED_IDLE policy (`nice 19` where that policy is missing) in a session niced to 19: the
+scheduler gives them only CPU time no other process wants, so the tests around them run as
+they would alone. One thread per command: a chain then computes on whichever core is free,
+where a two-thread command beside a busy core waits at every barrier for its thread on
+that core (and the regression gate's run on one thread took 0.83x the CPU time of two,
+with an identical GPTQ artifact). All at once: the scheduler shares the idle time among
+the chains, so they end close together. Taken one per CPU in turn, the last chain started
+when a worker came free and then ran alone on one core after the other tests had finished,
+with the second core idle (about 115 s of the suite's end). The modules themselves run
 last, and their fixtures wait for `IdleJobs.result(name)`.
 
 What a job computes does not depend on when it runs: every command is deterministic (the
@@ -24,7 +27,6 @@ runtime loads its built C++ kernels under a shared lock (runtime/model/cpu_atten
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import threading
@@ -91,11 +93,10 @@ class Runner:
 
 
 class IdleJobs:
-    """The session's chains by module name, run by one worker per CPU in the order they were
-    added (the order the suite waits for them)."""
+    """The session's chains by module name, each run by a thread of its own from `start`."""
 
     def __init__(self) -> None:
-        self._chains: queue.SimpleQueue = queue.SimpleQueue()
+        self._chains: list[tuple[Callable[[Runner, Path], object], Path, Future]] = []
         self._futures: dict[str, Future | dict[str, Future]] = {}
         self._runner = Runner()
 
@@ -103,28 +104,23 @@ class IdleJobs:
             folder: Path) -> None:
         if callable(job):
             self._futures[name] = future = Future()
-            self._chains.put((job, folder, future))
+            self._chains.append((job, folder, future))
             return
         self._futures[name] = {}
         for key, chain in job.items():
             self._futures[name][key] = future = Future()
             (folder / key).mkdir()
-            self._chains.put((chain, folder / key, future))
+            self._chains.append((chain, folder / key, future))
 
     def start(self) -> None:
-        def work() -> None:
-            while True:
-                try:
-                    job, folder, future = self._chains.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    future.set_result(job(self._runner, folder))
-                except BaseException as e:  # handed to the test that waits for it
-                    future.set_exception(e)
+        def work(job: Callable[[Runner, Path], object], folder: Path, future: Future) -> None:
+            try:
+                future.set_result(job(self._runner, folder))
+            except BaseException as e:  # handed to the test that waits for it
+                future.set_exception(e)
 
-        for k in range(len(os.sched_getaffinity(0))):
-            threading.Thread(target=work, name=f"idle-jobs-{k}", daemon=True).start()
+        for k, chain in enumerate(self._chains):  # every chain starts now, on a thread of its own
+            threading.Thread(target=work, args=chain, name=f"idle-jobs-{k}", daemon=True).start()
 
     def result(self, name: str):
         """The job's return value, once it has finished; its exception if it raised. For a
