@@ -1,16 +1,21 @@
-"""quantpipe's GPTQ against llm-compressor's GPTQModifier: same token ids, same scorer.
+"""quantpipe's GPTQ against llm-compressor's best GPTQ recipes: same token ids, same scorer.
 
-    .venv/bin/python benchmarks/bench_vs_llmcompressor.py --lc-python LC/bin/python \
-        --calib calib_sets/sample-set [--heldout calib_sets/sample-set] [--calib-samples 128 --calib-seq-len 512]
+    bash scripts/setup-anchors   # .anchors/llmcompressor: llmcompressor in its own virtualenv
+    .venv/bin/python benchmarks/bench_vs_llmcompressor.py --calib calib_sets/sample-set \
+        [--heldout calib_sets/sample-set] [--calib-samples 128 --calib-seq-len 512] \
+        [--lc-python .anchors/llmcompressor/bin/python] [--lc-observers default,imatrix_mse]
 
-LC is a virtualenv with llmcompressor (it pins transformers and compressed-tensors
-versions other than quantpipe's; see scripts/make-llmcompressor-fixtures.py). The
-default model is written as a float32 HF folder; the calibration sequences quantpipe's
-GPTQ would take from `--calib` are written out as token ids and given to both; both
-quantize W4A16 group 64 symmetric with dampening 0.01 (lm_head kept). Each artifact is
-loaded by quantpipe's loader in float32 and scored against the source model on the
-held-out texts by the teacher-forced scorer: quantpipe's GPTQ with columns in order and
-with act-order (static groups, its default), and plain RTN on the same grid.
+llmcompressor pins transformers and compressed-tensors versions other than quantpipe's,
+so it runs in a virtualenv of its own. The default model is written as a float32 HF
+folder; the calibration sequences quantpipe's GPTQ would take from `--calib` are written
+out as token ids and given to every run; all quantize W4A16 group 64 symmetric with
+dampening 0.01 (lm_head kept). llm-compressor runs GPTQModifier once per weight observer:
+its default min-max, and `imatrix_mse` (an importance-weighted range search, its README's
+best W4A16 result). quantpipe runs GPTQ with its defaults (act-order with static groups, the
+range search), GPTQ on the min-max grid, and RTN. Each artifact is loaded by quantpipe's
+loader in float32 and scored against the source model on the held-out texts by the
+teacher-forced scorer; the table's ratio is each perplexity increase over the best
+anchor's.
 """
 
 from __future__ import annotations
@@ -29,9 +34,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+LC_NAMES = {"default": "llm-compressor GPTQModifier", "imatrix_mse": "llm-compressor GPTQModifier + imatrix_mse"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lc-python", required=True, help="python of a virtualenv with llmcompressor")
+    ap.add_argument("--lc-python", default=os.path.join(ROOT, ".anchors", "llmcompressor", "bin", "python"),
+                    help="python of a virtualenv with llmcompressor (scripts/setup-anchors makes .anchors/llmcompressor)")
+    ap.add_argument("--lc-observers", type=lambda v: v.split(","), default=["default", "imatrix_mse"],
+                    help="llm-compressor GPTQ runs, one per weight observer: default (its min-max), imatrix_mse")
     ap.add_argument("--calib", required=True, help="a quantpipe calibrate set (its calib.jsonl)")
     ap.add_argument("--heldout", default=None, help="a quantpipe calibrate set whose heldout.jsonl is scored")
     ap.add_argument("--calib-samples", type=int, default=128)
@@ -60,14 +71,16 @@ def main() -> int:
         with open(ids, "w") as f:
             json.dump(samples, f)
         arts = {}
-        lc = subprocess.run([args.lc_python, os.path.join(ROOT, "benchmarks", "llmcompressor_gptq.py"), hf, ids,
-                             os.path.join(tmp, "llmcompressor"), "--group-size", str(args.group_size)],
-                            check=True, stdout=subprocess.PIPE, text=True)
-        lc_run = json.loads(lc.stdout.strip().splitlines()[-1])  # its oneshot's own time, imports left out
-        arts["llm-compressor GPTQModifier"] = (os.path.join(tmp, "llmcompressor"), lc_run["llmcompressor_gptq_s"])
-        print(json.dumps(lc_run), flush=True)
-        ours = {"quantpipe GPTQ, columns in order": dict(method="gptq", act_order=False),
-                "quantpipe GPTQ, act-order (the default)": dict(method="gptq", act_order=True),
+        for observer in args.lc_observers:
+            out = os.path.join(tmp, f"llmcompressor-{observer}")
+            lc = subprocess.run([args.lc_python, os.path.join(ROOT, "benchmarks", "llmcompressor_gptq.py"), hf, ids,
+                                 out, "--group-size", str(args.group_size), "--observer", observer],
+                                check=True, stdout=subprocess.PIPE, text=True)
+            lc_run = json.loads(lc.stdout.strip().splitlines()[-1])  # its oneshot's own time, imports left out
+            arts[LC_NAMES[observer]] = (out, lc_run["llmcompressor_gptq_s"])
+            print(json.dumps(lc_run), flush=True)
+        ours = {"quantpipe GPTQ (its defaults: act-order, range search)": dict(method="gptq"),
+                "quantpipe GPTQ, min-max grid": dict(method="gptq", clip="minmax"),
                 "quantpipe RTN": dict(method="rtn")}
         for i, (name, extra) in enumerate(ours.items()):
             out = os.path.join(tmp, f"ours-{i}")
@@ -82,16 +95,17 @@ def main() -> int:
                             "kl_mean": round(s["kl_mean"], 4), "top1_agreement": round(s["top1_agreement"], 4),
                             "quantize_s": round(took, 1), "tokens": s["tokens"]})
             print(json.dumps(results[-1]), flush=True)
-    lc_delta = results[0]["ppl_delta_pct"]
+    anchors = [r for r in results if r["artifact"] in LC_NAMES.values()]
+    best = min(anchors, key=lambda r: r["ppl_delta_pct"])
     print(f"\n{len(samples)} calibration sequences ({sum(map(len, samples))} tokens) from {args.calib}; "
-          f"{len(texts)} held-out texts of {heldout}, {args.max_tokens} tokens at most")
-    print("| artifact | perplexity delta | vs llm-compressor's | mean KL | top-1 agreement | time to quantize |")
+          f"{len(texts)} held-out texts of {heldout}, {args.max_tokens} tokens at most; "
+          f"best anchor: {best['artifact']}")
+    print("| artifact | perplexity delta | vs the best anchor's | mean KL | top-1 agreement | time to quantize |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['artifact']} | {r['ppl_delta_pct']:+.1f}% | {r['ppl_delta_pct'] / lc_delta:.2f}x | "
+        print(f"| {r['artifact']} | {r['ppl_delta_pct']:+.1f}% | {r['ppl_delta_pct'] / best['ppl_delta_pct']:.2f}x | "
               f"{r['kl_mean']:.3f} | {r['top1_agreement']:.1%} | {r['quantize_s']:.0f} s |")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,8 +3,8 @@
 Run in a virtualenv of its own (llmcompressor pins transformers and compressed-tensors
 versions other than quantpipe's):
 
-    python -m venv .lc && .lc/bin/pip install -c <(echo torch==2.13.0) torch==2.13.0 llmcompressor==0.14.0.1
-    .lc/bin/python scripts/make-llmcompressor-fixtures.py tests/fixtures/llmcompressor
+    bash scripts/setup-anchors   # .anchors/llmcompressor: llmcompressor 0.14.0.1, torch 2.13.0
+    .anchors/llmcompressor/bin/python scripts/make-llmcompressor-fixtures.py tests/fixtures/llmcompressor
 
 A small random Llama (seeded) is quantized with llm-compressor's own presets: W4A16
 (group 128), W4A16_ASYM, W8A16 and W8A8 data-free, and W4A16 through GPTQModifier with an
