@@ -1,17 +1,19 @@
-"""quantpipe's GPTQ against llm-compressor's best GPTQ recipes: same token ids, same scorer.
+"""quantpipe's GPTQ against the anchors' best W4A16 recipes: same token ids, same scorer.
 
-    bash scripts/setup-anchors   # .anchors/llmcompressor: llmcompressor in its own virtualenv
+    bash scripts/setup-anchors   # .anchors/: llmcompressor and auto-round, each in its own virtualenv
     .venv/bin/python benchmarks/bench_vs_llmcompressor.py --calib calib_sets/sample-set \
         [--heldout calib_sets/sample-set] [--calib-samples 128 --calib-seq-len 512] \
-        [--lc-python .anchors/llmcompressor/bin/python] [--lc-observers default,imatrix_mse]
+        [--lc-observers default,imatrix_mse] [--same-length 256 --autoround]
 
-llmcompressor pins transformers and compressed-tensors versions other than quantpipe's,
-so it runs in a virtualenv of its own. The default model is written as a float32 HF
-folder; the calibration sequences quantpipe's GPTQ would take from `--calib` are written
-out as token ids and given to every run; all quantize W4A16 group 64 symmetric with
-dampening 0.01 (lm_head kept). llm-compressor runs GPTQModifier once per weight observer:
-its default min-max, and `imatrix_mse` (an importance-weighted range search, its README's
-best W4A16 result). quantpipe runs GPTQ with its defaults (act-order with static groups, the
+llmcompressor and auto-round pin transformers and compressed-tensors versions other than
+quantpipe's, so each runs in a virtualenv of its own. The default model is written as a
+float32 HF folder; the calibration sequences quantpipe's GPTQ would take from `--calib`
+are written out as token ids and given to every run (with `--same-length L`, only those of
+at least L tokens, each cut to L: auto-round skips shorter ones). All quantize W4A16
+group 64 symmetric, lm_head kept. llm-compressor runs GPTQModifier (dampening 0.01) once
+per weight observer: its default min-max, and `imatrix_mse` (an importance-weighted range
+search, its README's best W4A16 result). `--autoround` adds auto-round's own quantizer with
+its defaults. quantpipe runs GPTQ with its defaults (act-order with static groups, the
 range search), GPTQ on the min-max grid, and RTN. Each artifact is loaded by quantpipe's
 loader in float32 and scored against the source model on the held-out texts by the
 teacher-forced scorer; the table's ratio is each perplexity increase over the best
@@ -34,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+AR_NAME = "auto-round AutoRound (its defaults)"
 LC_NAMES = {"default": "llm-compressor GPTQModifier", "imatrix_mse": "llm-compressor GPTQModifier + imatrix_mse"}
 
 
@@ -43,6 +46,13 @@ def main() -> int:
                     help="python of a virtualenv with llmcompressor (scripts/setup-anchors makes .anchors/llmcompressor)")
     ap.add_argument("--lc-observers", type=lambda v: v.split(","), default=["default", "imatrix_mse"],
                     help="llm-compressor GPTQ runs, one per weight observer: default (its min-max), imatrix_mse")
+    ap.add_argument("--ar-python", default=os.path.join(ROOT, ".anchors", "auto-round", "bin", "python"),
+                    help="python of a virtualenv with auto-round (scripts/setup-anchors makes .anchors/auto-round)")
+    ap.add_argument("--autoround", action="store_true",
+                    help="also auto-round's own quantizer (its defaults: 200 iterations per layer); needs --same-length")
+    ap.add_argument("--same-length", type=int, default=None, metavar="L",
+                    help="only the calibration sequences of at least L tokens, each cut to L, for every run "
+                         "(auto-round skips shorter ones)")
     ap.add_argument("--calib", required=True, help="a quantpipe calibrate set (its calib.jsonl)")
     ap.add_argument("--heldout", default=None, help="a quantpipe calibrate set whose heldout.jsonl is scored")
     ap.add_argument("--calib-samples", type=int, default=128)
@@ -51,6 +61,8 @@ def main() -> int:
     ap.add_argument("--max-texts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     args = ap.parse_args()
+    if args.autoround and not args.same_length:
+        ap.error("--autoround needs --same-length (auto-round calibrates on sequences of one length)")
 
     from benchmarks.bench_quantize import heldout_texts
     from quantpipe.eval.scorer import score_many
@@ -64,6 +76,8 @@ def main() -> int:
     cfg = dict(scheme="W4A16", group_size=args.group_size, calib_samples=args.calib_samples,
                calib_seq_len=args.calib_seq_len, dampening=0.01)
     samples = _token_samples(calibration_texts(args.calib)[0], tok, QuantConfig(**cfg))
+    if args.same_length:
+        samples = [s[:args.same_length] for s in samples if len(s) >= args.same_length]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         hf, ids = os.path.join(tmp, "hf"), os.path.join(tmp, "samples.json")
@@ -79,6 +93,13 @@ def main() -> int:
             lc_run = json.loads(lc.stdout.strip().splitlines()[-1])  # its oneshot's own time, imports left out
             arts[LC_NAMES[observer]] = (out, lc_run["llmcompressor_gptq_s"])
             print(json.dumps(lc_run), flush=True)
+        if args.autoround:
+            out = os.path.join(tmp, "auto-round")
+            ar = subprocess.run([args.ar_python, os.path.join(ROOT, "benchmarks", "autoround_quantize.py"), hf, ids,
+                                 out, "--group-size", str(args.group_size)], check=True, stdout=subprocess.PIPE, text=True)
+            ar_run = json.loads(ar.stdout.strip().splitlines()[-1])
+            arts[AR_NAME] = (out, ar_run["autoround_s"])
+            print(json.dumps(ar_run), flush=True)
         ours = {"quantpipe GPTQ (its defaults: act-order, range search)": dict(method="gptq"),
                 "quantpipe GPTQ, min-max grid": dict(method="gptq", clip="minmax"),
                 "quantpipe RTN": dict(method="rtn")}
@@ -95,7 +116,7 @@ def main() -> int:
                             "kl_mean": round(s["kl_mean"], 4), "top1_agreement": round(s["top1_agreement"], 4),
                             "quantize_s": round(took, 1), "tokens": s["tokens"]})
             print(json.dumps(results[-1]), flush=True)
-    anchors = [r for r in results if r["artifact"] in LC_NAMES.values()]
+    anchors = [r for r in results if r["artifact"] in (*LC_NAMES.values(), AR_NAME)]
     best = min(anchors, key=lambda r: r["ppl_delta_pct"])
     print(f"\n{len(samples)} calibration sequences ({sum(map(len, samples))} tokens) from {args.calib}; "
           f"{len(texts)} held-out texts of {heldout}, {args.max_tokens} tokens at most; "
