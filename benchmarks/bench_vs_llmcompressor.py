@@ -40,11 +40,19 @@ AR_NAME = "auto-round AutoRound (its defaults)"
 LC_NAMES = {"default": "llm-compressor GPTQModifier", "imatrix_mse": "llm-compressor GPTQModifier + imatrix_mse"}
 
 
+def _observers(value: str) -> list[str]:
+    names = [v for v in value.split(",") if v]
+    unknown = [v for v in names if v not in LC_NAMES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{value!r}: a comma-separated list of {', '.join(LC_NAMES)}")
+    return names
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lc-python", default=os.path.join(ROOT, ".anchors", "llmcompressor", "bin", "python"),
                     help="python of a virtualenv with llmcompressor (scripts/setup-anchors makes .anchors/llmcompressor)")
-    ap.add_argument("--lc-observers", type=lambda v: v.split(","), default=["default", "imatrix_mse"],
+    ap.add_argument("--lc-observers", type=_observers, default=["default", "imatrix_mse"],
                     help="llm-compressor GPTQ runs, one per weight observer: default (its min-max), imatrix_mse")
     ap.add_argument("--ar-python", default=os.path.join(ROOT, ".anchors", "auto-round", "bin", "python"),
                     help="python of a virtualenv with auto-round (scripts/setup-anchors makes .anchors/auto-round)")
