@@ -136,5 +136,6 @@ def main() -> int:
               f"{r['kl_mean']:.3f} | {r['top1_agreement']:.1%} | {r['quantize_s']:.0f} s |")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
