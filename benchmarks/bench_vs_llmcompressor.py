@@ -3,7 +3,8 @@
     bash scripts/setup-anchors   # .anchors/: llmcompressor and auto-round, each in its own virtualenv
     .venv/bin/python benchmarks/bench_vs_llmcompressor.py --calib calib_sets/sample-set \
         [--heldout calib_sets/sample-set] [--calib-samples 128 --calib-seq-len 512] \
-        [--lc-observers default,imatrix_mse] [--same-length 256 --autoround]
+        [--lc-observers default,imatrix_mse] [--same-length 256 --autoround] \
+        [--ours gptq,gptq-minmax,rtn,autoround]
 
 llmcompressor and auto-round pin transformers and compressed-tensors versions other than
 quantpipe's, so each runs in a virtualenv of its own. The default model is written as a
@@ -13,8 +14,9 @@ at least L tokens, each cut to L: auto-round skips shorter ones). All quantize W
 group 64 symmetric, lm_head kept. llm-compressor runs GPTQModifier (dampening 0.01) once
 per weight observer: its default min-max, and `imatrix_mse` (an importance-weighted range
 search, its README's best W4A16 result). `--autoround` adds auto-round's own quantizer with
-its defaults. quantpipe runs GPTQ with its defaults (act-order with static groups, the
-range search), GPTQ on the min-max grid, and RTN. Each artifact is loaded by quantpipe's
+its defaults. quantpipe runs (`--ours`) GPTQ with its defaults (act-order with static
+groups, the range search), GPTQ on the min-max grid and RTN, and on request its own
+`--method autoround`. Each artifact is loaded by quantpipe's
 loader in float32 and scored against the source model on the held-out texts by the
 teacher-forced scorer; the table's ratio is each perplexity increase over the best
 anchor's.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -40,20 +43,33 @@ AR_NAME = "auto-round AutoRound (its defaults)"
 LC_NAMES = {"default": "llm-compressor GPTQModifier", "imatrix_mse": "llm-compressor GPTQModifier + imatrix_mse"}
 
 
-def _observers(value: str) -> list[str]:
-    names = [v for v in value.split(",") if v]
-    unknown = [v for v in names if v not in LC_NAMES]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"{value!r}: a comma-separated list of {', '.join(LC_NAMES)}")
-    return names
+# quantpipe's runs: the table's name and the QuantConfig fields beside the shared ones.
+OURS = {"gptq": ("quantpipe GPTQ (its defaults: act-order, range search)", dict(method="gptq")),
+        "gptq-minmax": ("quantpipe GPTQ, min-max grid", dict(method="gptq", clip="minmax")),
+        "rtn": ("quantpipe RTN", dict(method="rtn")),
+        "autoround": ("quantpipe --method autoround (its defaults: 200 steps, batches of 8)",
+                      dict(method="autoround"))}
+
+
+def _names(known: dict, allow_empty: bool = False):
+    def parse(value: str) -> list[str]:
+        names = [v for v in value.split(",") if v]
+        unknown = [v for v in names if v not in known]
+        if (not names and not allow_empty) or unknown:
+            raise argparse.ArgumentTypeError(f"{value!r}: a comma-separated list of {', '.join(known)}")
+        return names
+    return parse
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lc-python", default=os.path.join(ROOT, ".anchors", "llmcompressor", "bin", "python"),
                     help="python of a virtualenv with llmcompressor (scripts/setup-anchors makes .anchors/llmcompressor)")
-    ap.add_argument("--lc-observers", type=_observers, default=["default", "imatrix_mse"],
-                    help="llm-compressor GPTQ runs, one per weight observer: default (its min-max), imatrix_mse")
+    ap.add_argument("--lc-observers", type=_names(LC_NAMES, allow_empty=True), default=["default", "imatrix_mse"],
+                    help="llm-compressor GPTQ runs, one per weight observer: default (its min-max), imatrix_mse; "
+                         "empty: none")
+    ap.add_argument("--ours", type=_names(OURS), default=["gptq", "gptq-minmax", "rtn"],
+                    help=f"quantpipe's runs, of {', '.join(OURS)}")
     ap.add_argument("--ar-python", default=os.path.join(ROOT, ".anchors", "auto-round", "bin", "python"),
                     help="python of a virtualenv with auto-round (scripts/setup-anchors makes .anchors/auto-round)")
     ap.add_argument("--autoround", action="store_true",
@@ -69,8 +85,11 @@ def main() -> int:
     ap.add_argument("--max-texts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # quantize's progress
     if args.autoround and not args.same_length:
         ap.error("--autoround needs --same-length (auto-round calibrates on sequences of one length)")
+    if not args.lc_observers and not args.autoround:
+        ap.error("no anchor to compare with: name --lc-observers or --autoround")
 
     from benchmarks.bench_quantize import heldout_texts
     from quantpipe.eval.scorer import score_many
@@ -108,15 +127,14 @@ def main() -> int:
             ar_run = json.loads(ar.stdout.strip().splitlines()[-1])
             arts[AR_NAME] = (out, ar_run["autoround_s"])
             print(json.dumps(ar_run), flush=True)
-        ours = {"quantpipe GPTQ (its defaults: act-order, range search)": dict(method="gptq"),
-                "quantpipe GPTQ, min-max grid": dict(method="gptq", clip="minmax"),
-                "quantpipe RTN": dict(method="rtn")}
-        for i, (name, extra) in enumerate(ours.items()):
-            out = os.path.join(tmp, f"ours-{i}")
+        for key in args.ours:
+            name, extra = OURS[key]
+            out = os.path.join(tmp, f"ours-{key}")
             t = time.perf_counter()
             quantize(None, QuantConfig(**cfg, **extra), None, out,
-                     calib_token_ids=samples if extra["method"] == "gptq" else None)
+                     calib_token_ids=samples if extra["method"] != "rtn" else None)
             arts[name] = (out, time.perf_counter() - t)
+            print(json.dumps({"quantpipe": key, "quantize_s": round(arts[name][1], 1)}), flush=True)
         cands = [load_model(path, torch.float32)[0] for path, _ in arts.values()]
         for (name, (_, took)), q in zip(arts.items(), score_many(base, cands, tok, texts, strata, args.max_tokens)):
             s = q.summary()

@@ -17,10 +17,16 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, 
 @click.option("--method", type=click.Choice(METHODS), default="rtn", show_default=True)
 @click.option("--clip", type=click.Choice(CLIPS), default=None,
               help="grid range: mse searches it per group (RTN: rounding error; GPTQ: the layer's output "
-                   "error) [default: mse for GPTQ, minmax otherwise]")
+                   "error) [default: mse for GPTQ, minmax otherwise; autoround learns its own]")
 @click.option("--dampening", type=float, default=0.01, show_default=True, help="GPTQ: x mean Hessian diagonal")
 @click.option("--act-order/--no-act-order", default=True, show_default=True,
               help="GPTQ: columns by decreasing Hessian diagonal (groups stay in order: actorder 'weight')")
+@click.option("--iters", type=int, default=200, show_default=True,
+              help="autoround: sign-gradient steps per decoder layer (step size 1 / iters)")
+@click.option("--batch-size", type=int, default=8, show_default=True,
+              help="autoround: calibration sequences per step")
+@click.option("--learn-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto",
+              show_default=True, help="autoround: dtype of its steps (auto: bfloat16 on CPUs with native bf16)")
 @click.option("--calib", default=None, help="calibration set folder (quantpipe calibrate) or a text file")
 @click.option("--calib-samples", type=int, default=128, show_default=True)
 @click.option("--calib-seq-len", type=int, default=512, show_default=True)

@@ -14,7 +14,7 @@ from quantpipe.manifest import StageError
 from quantpipe.quantize.rtn import WeightScheme
 
 SCHEMES = ("W8A16", "W4A16", "W8A8", "mixed")
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq", "autoround")
 GROUP_SIZES = (32, 64, 128)
 CLIPS = ("minmax", "mse")
 KV_CACHES = ("none", "int8", "fp8")
@@ -39,6 +39,14 @@ class QuantConfig:
     # original order (actorder "weight"). On the shipped sample it took W4 g64's perplexity
     # increase from +30.8% to +20.7% (RTN +42.3%, llm-compressor's GPTQModifier +21.9%).
     act_order: bool = True
+    # autoround: sign-gradient steps per decoder layer, and calibration sequences per step
+    # (auto-round's defaults; its step size is 1 / iters).
+    iters: int = 200
+    batch_size: int = 8
+    # autoround: the dtype its steps compute in. auto: bfloat16 where the CPU has native bf16
+    # (AVX-512 BF16, AMX; auto-round's amp), else float32. The rounding and ranges it learns
+    # stay float32, and the errors that pick the result are float32.
+    learn_dtype: str = "auto"
     calib_samples: int = 128
     calib_seq_len: int = 512
     quantize_lm_head: bool = False
@@ -87,6 +95,8 @@ class QuantConfig:
         which the pipeline asks instead of keeping a copy of the rule."""
         if self.method in ("gptq", "awq"):
             return self.method.upper()
+        if self.method == "autoround":
+            return "AutoRound"
         if self.scheme == "mixed":
             return "mixed precision (per-layer sensitivity)"
         if self.scheme == "W8A8" and self.smoothquant_alpha is not None:
@@ -116,6 +126,17 @@ class QuantConfig:
             raise StageError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.method == "awq" and self.scheme == "W8A8":
             raise StageError("method awq is for weight-only schemes (W8A16, W4A16, mixed); W8A8 uses SmoothQuant")
+        if self.method == "autoround":
+            if self.scheme == "W8A8":
+                raise StageError("method autoround is for weight-only schemes (W8A16, W4A16, mixed); W8A8 uses "
+                                 "SmoothQuant")
+            if self.clip == "mse":
+                raise StageError("clip does not apply to method autoround: it learns each group's range")
+            for name in ("iters", "batch_size"):
+                if getattr(self, name) < 1:
+                    raise StageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.learn_dtype not in ("auto", "bfloat16", "float32"):
+            raise StageError(f"learn_dtype must be auto, bfloat16 or float32; got {self.learn_dtype!r}")
         if self.kv_cache not in KV_CACHES:
             raise StageError(f"kv_cache must be one of {', '.join(KV_CACHES)}; got {self.kv_cache!r}")
         if self.kv_cache_strategy not in KV_STRATEGIES:
@@ -170,7 +191,7 @@ class QuantConfig:
 
 # The type each field takes from plain data (YAML): ints are accepted where floats are.
 _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "clip": str,
-          "dampening": (int, float), "block_size": int, "act_order": bool, "calib_samples": int,
+          "dampening": (int, float), "block_size": int, "act_order": bool, "iters": int, "batch_size": int, "learn_dtype": str, "calib_samples": int,
           "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str, "smoothquant_alpha": (int, float),
           "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
           "kv_cache_strategy": str, "calibrate_all_experts": bool}

@@ -39,7 +39,7 @@ from quantpipe.manifest import (
     sha256_file,
     staged_output,
 )
-from quantpipe.quantize import awq
+from quantpipe.quantize import autoround, awq
 from quantpipe.quantize.config import QuantConfig
 from quantpipe.quantize.gptq import HessianError, gptq
 from quantpipe.quantize.rtn import WeightScheme, rtn
@@ -331,6 +331,54 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
     return out, damp_used, awq_found, experts
 
 
+def _autoround_layers(model, samples: list[list[int]], schemes: dict[str, WeightScheme | None], cfg: QuantConfig,
+                      scale_dtype: torch.dtype) -> tuple[dict[str, QuantWeight], dict]:
+    """AutoRound, decoder layer by decoder layer (quantize/autoround.py): two streams of
+    activations, the quantized model's (each layer's input) and the unquantized model's (its
+    target), one layer's worth of each held at a time. Returns the quantized weights and each
+    layer's report."""
+    from quantpipe.runtime.llm_engine import resolve_dtype
+
+    learn_dtype = resolve_dtype(cfg.learn_dtype, torch.device("cpu"))
+    passes = [SequencePass(model, ids) for ids in samples]
+    with torch.no_grad():  # not inference_mode: these activations feed the gradient steps
+        xq = [p.embed() for p in passes]
+    xf = xq
+    out: dict[str, QuantWeight] = {}
+    report: dict[str, dict] = {}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:  # only the rounding parameters take gradients
+        p.requires_grad_(False)
+    try:
+        for i in range(len(model.layers)):
+            t = time.perf_counter()
+            local = {n: schemes[f"layers.{i}.{n}"] for n, _ in fused_linears(model.config, i)
+                     if schemes.get(f"layers.{i}.{n}")}
+            with torch.no_grad():
+                ys = [p.layer(i, x) for p, x in zip(passes, xf)]
+            if local:
+                found = autoround.round_layer(model, i, local, samples, xq, ys, cfg.iters, cfg.batch_size,
+                                              scale_dtype, learn_dtype)
+                for n, qw in found.weights.items():
+                    out[f"layers.{i}.{n}"] = qw
+                    mod = model.layers[i].get_submodule(n)
+                    with torch.no_grad():  # later layers learn on this layer's quantized outputs
+                        mod.weight.copy_(qw.dequantize(mod.weight.dtype))
+                report[f"layers.{i}"] = {k: round(v, 8) if isinstance(v, float) else v for k, v in found.report.items()}
+                log.info("AutoRound layer %d/%d in %.1fs: output error %.3g at round-to-nearest, %.3g learned",
+                         i + 1, len(model.layers), time.perf_counter() - t, found.report["error_nearest"],
+                         found.report["error_learned"])
+            with torch.no_grad():
+                xq = [p.layer(i, x) for p, x in zip(passes, xq)]
+            xf = ys
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+    if schemes.get("lm_head"):
+        out["lm_head"] = _rtn(model.lm_head.weight, schemes["lm_head"], scale_dtype)
+    return out, report
+
+
 def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, overwrite: bool = False,
              calib_token_ids: list[list[int]] | None = None, sensitivity_from: str | None = None) -> Artifact:
     """Quantize `model` (GGUF, HF folder, or None for the default model) into the artifact folder `out`.
@@ -386,6 +434,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     static_kv = cfg.kv_cache != "none" and cfg.kv_cache_strategy == "channel"
     awq_found: dict[str, dict] = {}
     experts: dict[str, dict] = {}
+    rounding = None  # autoround: each decoder layer's output error before and after learning
     what = cfg.calibration_need()
     samples: list[list[int]] = []
     if what:
@@ -445,6 +494,9 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
                              f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
         calib_info["samples"], calib_info["tokens"] = len(samples), got
         quantized, damp_used, awq_found, experts = _layerwise(net, samples, scheme_map, cfg, scale_dtype)
+    elif cfg.method == "autoround":
+        calib_info["samples"], calib_info["tokens"] = len(samples), sum(map(len, samples))
+        quantized, rounding = _autoround_layers(net, samples, scheme_map, cfg, scale_dtype)
     else:
         quantized = {}
         for n in names:
@@ -523,6 +575,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             f"{cfg.kv_cache} per token and KV head, dynamic",
             "mixed_precision": sensitivity,
             "experts": experts or None,  # MoE with GPTQ: tokens routed to each expert, per layer
+            "autoround": rounding,
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},
             "time_s": {k: round(v, 2) for k, v in phases.items()},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from quantpipe.runtime.model.attention import AttentionMetadata, PrefillSpan
-from quantpipe.runtime.model.kv_cache import layer_cache
+from quantpipe.runtime.model.kv_cache import layer_cache, make_kv_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
 
 
@@ -42,6 +42,32 @@ class SequencePass:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.norm(x)).float()
+
+
+class SequenceBatch:
+    """Several sequences' passes flattened into one, each a causal span of its own that attends
+    to no other: one call per layer for a mini-batch (learned rounding takes gradients through
+    a layer over several sequences at once). `dtype`: the rope tables and scratch caches in
+    this dtype, for a copy of a layer converted to it; the model's own dtype by default."""
+
+    def __init__(self, model: LlamaForCausalLM, seqs: list[list[int]], dtype: torch.dtype | None = None):
+        p = next(model.parameters())
+        self.model = model
+        self.dtype = dtype or model.embed_tokens.weight.dtype
+        lengths = [len(s) for s in seqs]
+        starts = [sum(lengths[:j]) for j in range(len(seqs))]
+        self.tokens = sum(lengths)
+        self.meta = AttentionMetadata(slot_mapping=torch.arange(self.tokens, device=p.device), block_size=1,
+                                      prefills=[PrefillSpan(a, n, n, None) for a, n in zip(starts, lengths)])
+        positions = torch.cat([torch.arange(n, device=p.device) for n in lengths])
+        self.rope = model.rope(positions, self.dtype)
+
+    def layer(self, i: int, x: torch.Tensor, module: torch.nn.Module | None = None) -> torch.Tensor:
+        """Layer i (or `module`, a copy of it) on x [tokens, hidden], the sequences' rows in order."""
+        cfg = self.model.config
+        kv = make_kv_cache(self.tokens, cfg.num_kv_heads, cfg.head_dim, self.dtype, x.device,
+                           self.model.kv_cache_dtype, self.model.layers[i].self_attn.kv_scales)
+        return (module or self.model.layers[i])(x, self.rope, kv, self.meta)
 
 
 @torch.inference_mode()

@@ -1,0 +1,190 @@
+"""AutoRound (Cheng et al., 2023): rounding learned block by block.
+
+Each quantized Linear of a decoder layer gets a rounding offset v in [-0.5, 0.5] per
+weight and a range factor in [0.5, 1] per output row and group (one for a symmetric grid;
+one for each end of an asymmetric one). They start at round-to-nearest on the min-max
+range (v = 0, factors 1) and are learned together by sign-gradient descent on the layer's
+output error: the layer with its current quantized weights, fed the quantized model's
+activations, against the unquantized layer's output on the unquantized model's
+activations, as a mean squared difference over a mini-batch of calibration sequences.
+Rounding passes gradients straight through. The step size decays linearly to 0, and the
+step with the least mini-batch loss is kept, as auto-round does.
+
+Only the rounding and each group's range are learned, so the artifact is an ordinary
+integer grid: any kernel that reads RTN or GPTQ artifacts reads this one.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from quantpipe.formats.artifact import QuantWeight
+from quantpipe.quantize.rtn import WeightScheme
+from quantpipe.runtime.model.forward import SequenceBatch
+
+FACTOR_MIN = 0.5  # the narrowest range a group may learn, as a share of its min-max range
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, identity backward (straight-through)."""
+    return x + (torch.round(x) - x).detach()
+
+
+class LearnedGrid:
+    """One Linear's learnable rounding: offsets v [N, K] and range factors [N, G]."""
+
+    def __init__(self, w: torch.Tensor, scheme: WeightScheme):
+        n, k = w.shape
+        self.gs = scheme.group_size or k
+        self.scheme = scheme
+        self.w = w.detach().float().reshape(n, k // self.gs, self.gs)
+        self.v = torch.zeros_like(self.w, requires_grad=True)
+        self.hi = torch.ones(n, k // self.gs, requires_grad=True)
+        self.lo = None if scheme.symmetric else torch.ones(n, k // self.gs, requires_grad=True)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [self.v, self.hi] + ([] if self.lo is None else [self.lo])
+
+    def _grid(self, hi: torch.Tensor, lo: torch.Tensor | None, scale_dtype: torch.dtype | None):
+        """(scale [N, G, 1], zero [N, G, 1] or None), rtn.qparams' arithmetic with learned factors;
+        `scale_dtype` rounds the scale as the artifact stores it (no gradient then)."""
+        s = self.scheme
+        span = s.q_max - s.q_min
+        if lo is None:
+            scale = (self.w.abs().amax(-1) * hi / (span / 2)).clamp(min=1e-10)
+            zero = None
+        else:
+            lo_v = (self.w.amin(-1) * lo).clamp(max=0)
+            hi_v = (self.w.amax(-1) * hi).clamp(min=0)
+            scale = ((hi_v - lo_v) / span).clamp(min=1e-10)
+        if scale_dtype is not None:
+            scale = scale.to(scale_dtype).float()
+        if lo is not None:
+            zero = (s.q_min - _round_ste(lo_v / scale)).clamp(s.q_min, s.q_max).unsqueeze(-1)
+        return scale.unsqueeze(-1), zero
+
+    def weight(self) -> torch.Tensor:
+        """The fake-quantized weight [N, K], differentiable in v and the factors."""
+        scale, zero = self._grid(self.hi, self.lo, None)
+        x = _round_ste(self.w / scale + self.v)
+        if zero is not None:
+            x = x + zero
+        q = x.clamp(self.scheme.q_min, self.scheme.q_max)
+        return ((q if zero is None else q - zero) * scale).reshape(self.w.shape[0], -1)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """One sign-gradient step, then each parameter back into its range."""
+        for p in self.params:
+            if p.grad is not None:
+                p.sub_(lr * p.grad.sign())
+                p.grad = None
+        self.v.clamp_(-0.5, 0.5)
+        for f in (self.hi, self.lo):
+            if f is not None:
+                f.clamp_(FACTOR_MIN, 1.0)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def load(self, values: list[torch.Tensor]) -> None:
+        for p, v in zip(self.params, values):
+            p.copy_(v)
+
+    @torch.no_grad()
+    def quantized(self, scale_dtype: torch.dtype) -> QuantWeight:
+        """The integer grid: the scale as the artifact stores it, q rounded with the learned offsets."""
+        scale, zero = self._grid(self.hi, self.lo, scale_dtype)
+        x = torch.round(self.w / scale + self.v)
+        if zero is not None:
+            x = x + zero
+        n = self.w.shape[0]
+        q = x.clamp(self.scheme.q_min, self.scheme.q_max).to(torch.int8).reshape(n, -1)
+        return QuantWeight(q, scale.squeeze(-1), None if zero is None else zero.squeeze(-1),
+                           self.scheme.num_bits, self.scheme.group_size)
+
+
+@contextmanager
+def _weights(mods: dict[str, torch.nn.Module], tensors: dict[str, torch.Tensor]):
+    """The Linears compute with `tensors` as their weights inside the block; restored after."""
+    kept = {n: mods[n]._parameters.pop("weight") for n in tensors}
+    try:
+        for n, t in tensors.items():
+            mods[n].weight = t
+        yield
+    finally:
+        for n, p in kept.items():
+            del mods[n].weight
+            mods[n].weight = p
+
+
+@dataclass
+class LayerResult:
+    weights: dict[str, QuantWeight]
+    # The layer's output error over every calibration sequence at round-to-nearest and at the
+    # learned rounding (float32), the step whose parameters were kept, the learning dtype.
+    report: dict
+
+
+def round_layer(model, i: int, schemes: dict[str, WeightScheme], seqs: list[list[int]], xs: list[torch.Tensor],
+                ys: list[torch.Tensor], iters: int, batch_size: int, scale_dtype: torch.dtype,
+                learn_dtype: torch.dtype = torch.float32, seed: int = 0) -> LayerResult:
+    """Learn the rounding of decoder layer i's Linears named in `schemes` (local names).
+
+    `xs[j]` is sequence j's input to the layer in the quantized model, `ys[j]` the
+    unquantized model's output, the target (float32 [tokens, hidden]). Each step draws
+    `batch_size` sequences (seeded) and runs them as one flat pass; the step size is
+    1 / iters, decaying linearly to 0 (auto-round's defaults). `learn_dtype` bfloat16 runs
+    the steps on a bfloat16 copy of the layer (the parameters stay float32, as auto-round's
+    amp does); the errors that choose the result are float32. Should the learned rounding end
+    with a larger error over all the sequences than round-to-nearest (it has not been seen
+    to), round-to-nearest is kept and the report says so."""
+    layer = model.layers[i]
+    block = layer if learn_dtype == torch.float32 else copy.deepcopy(layer).to(learn_dtype)
+    mods = {n: layer.get_submodule(n) for n in schemes}
+    learn_mods = {n: block.get_submodule(n) for n in schemes}
+    grids = {n: LearnedGrid(m.weight, schemes[n]) for n, m in mods.items()}
+
+    def output(pick: list[int], module, mods_, tensors, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = SequenceBatch(model, [seqs[j] for j in pick], dtype)
+        with _weights(mods_, tensors):
+            out = batch.layer(i, torch.cat([xs[j] for j in pick]).to(dtype), module).float()
+        return out, torch.cat([ys[j] for j in pick])
+
+    def error(weights: dict[str, QuantWeight]) -> float:
+        total = 0.0
+        with torch.no_grad():
+            for a in range(0, len(seqs), batch_size):
+                pick = list(range(a, min(a + batch_size, len(seqs))))
+                out, y = output(pick, layer, mods, {n: qw.dequantize() for n, qw in weights.items()}, torch.float32)
+                total += (out - y).pow(2).sum().item()
+        return total / sum(y.numel() for y in ys)
+
+    nearest = {n: g.quantized(scale_dtype) for n, g in grids.items()}
+    gen = torch.Generator().manual_seed(seed)
+    lr = 1.0 / iters
+    best_loss, best_step, best = float("inf"), -1, None
+    for t in range(iters):
+        pick = torch.randperm(len(seqs), generator=gen)[:batch_size].tolist()
+        out, y = output(pick, block, learn_mods, {n: g.weight().to(learn_dtype) for n, g in grids.items()},
+                        learn_dtype)
+        loss = torch.nn.functional.mse_loss(out, y)
+        loss.backward()
+        if loss.item() < best_loss:  # the loss of the parameters before this step
+            best_loss, best_step, best = loss.item(), t, {n: g.snapshot() for n, g in grids.items()}
+        for g in grids.values():
+            g.step(lr * (1 - t / iters))
+    for n, g in grids.items():
+        g.load(best[n])
+    learned = {n: g.quantized(scale_dtype) for n, g in grids.items()}
+    err_nearest, err_learned = error(nearest), error(learned)
+    kept = "learned" if err_learned <= err_nearest else "nearest"
+    report = {"error_nearest": err_nearest, "error_learned": err_learned, "best_step": best_step, "kept": kept,
+              "learn_dtype": str(learn_dtype).removeprefix("torch.")}
+    return LayerResult(learned if kept == "learned" else nearest, report)
