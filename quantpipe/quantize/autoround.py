@@ -1,9 +1,9 @@
 """AutoRound (Cheng et al., 2023): rounding learned block by block.
 
 Each quantized Linear of a decoder layer gets a rounding offset v in [-0.5, 0.5] per
-weight and a range factor in [0.5, 1] per output row and group (one for a symmetric grid;
-one for each end of an asymmetric one). They start at round-to-nearest on the min-max
-range (v = 0, factors 1) and are learned together by sign-gradient descent on the layer's
+weight and two range factors in [0.5, 1] per output row and group, one for each end of
+the group's range (a symmetric grid uses the full signed range: `LearnedGrid`). They start
+at round-to-nearest on the group's whole range (v = 0, factors 1) and are learned together by sign-gradient descent on the layer's
 output error: the layer with its current quantized weights, fed the quantized model's
 activations, against the unquantized layer's output on the unquantized model's
 activations, as a mean squared difference over a mini-batch of calibration sequences.
@@ -35,7 +35,14 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
 
 
 class LearnedGrid:
-    """One Linear's learnable rounding: offsets v [N, K] and range factors [N, G]."""
+    """One Linear's learnable rounding: offsets v [N, K] and two range factors [N, G], one
+    for each end of a group's range, as auto-round learns them.
+
+    A symmetric grid uses the full signed range, as auto-round's does: the group's larger
+    magnitude (after its factor) maps to q = -8 (for 4 bits) and the scale carries its sign,
+    so all 16 levels are in use, at a step of max|w| / 8 where min-max RTN's is
+    max|w| / 7.5. Dequantization is q * scale either way: compressed-tensors' symmetric
+    format, read by its library, vLLM and quantpipe's runtime alike."""
 
     def __init__(self, w: torch.Tensor, scheme: WeightScheme):
         n, k = w.shape
@@ -44,33 +51,33 @@ class LearnedGrid:
         self.w = w.detach().float().reshape(n, k // self.gs, self.gs)
         self.v = torch.zeros_like(self.w, requires_grad=True)
         self.hi = torch.ones(n, k // self.gs, requires_grad=True)
-        self.lo = None if scheme.symmetric else torch.ones(n, k // self.gs, requires_grad=True)
+        self.lo = torch.ones(n, k // self.gs, requires_grad=True)
 
     @property
     def params(self) -> list[torch.Tensor]:
-        return [self.v, self.hi] + ([] if self.lo is None else [self.lo])
+        return [self.v, self.hi, self.lo]
 
-    def _grid(self, hi: torch.Tensor, lo: torch.Tensor | None, scale_dtype: torch.dtype | None):
-        """(scale [N, G, 1], zero [N, G, 1] or None), rtn.qparams' arithmetic with learned factors;
-        `scale_dtype` rounds the scale as the artifact stores it (no gradient then)."""
+    def _grid(self, scale_dtype: torch.dtype | None):
+        """(scale [N, G, 1], zero [N, G, 1] or None) with the learned factors; `scale_dtype`
+        rounds the scale as the artifact stores it (no gradient then)."""
         s = self.scheme
-        span = s.q_max - s.q_min
-        if lo is None:
-            scale = (self.w.abs().amax(-1) * hi / (span / 2)).clamp(min=1e-10)
-            zero = None
+        lo_v = (self.w.amin(-1) * self.lo).clamp(max=0)
+        hi_v = (self.w.amax(-1) * self.hi).clamp(min=0)
+        if s.symmetric:  # the larger end onto q_min, the scale signed accordingly
+            scale = torch.where(-lo_v >= hi_v, -lo_v, -hi_v) / -s.q_min
+            scale = torch.where(scale < 0, scale.clamp(max=-1e-10), scale.clamp(min=1e-10))
         else:
-            lo_v = (self.w.amin(-1) * lo).clamp(max=0)
-            hi_v = (self.w.amax(-1) * hi).clamp(min=0)
-            scale = ((hi_v - lo_v) / span).clamp(min=1e-10)
+            scale = ((hi_v - lo_v) / (s.q_max - s.q_min)).clamp(min=1e-10)
         if scale_dtype is not None:
             scale = scale.to(scale_dtype).float()
-        if lo is not None:
+        zero = None
+        if not s.symmetric:
             zero = (s.q_min - _round_ste(lo_v / scale)).clamp(s.q_min, s.q_max).unsqueeze(-1)
         return scale.unsqueeze(-1), zero
 
     def weight(self) -> torch.Tensor:
         """The fake-quantized weight [N, K], differentiable in v and the factors."""
-        scale, zero = self._grid(self.hi, self.lo, None)
+        scale, zero = self._grid(None)
         x = _round_ste(self.w / scale + self.v)
         if zero is not None:
             x = x + zero
@@ -86,8 +93,7 @@ class LearnedGrid:
                 p.grad = None
         self.v.clamp_(-0.5, 0.5)
         for f in (self.hi, self.lo):
-            if f is not None:
-                f.clamp_(FACTOR_MIN, 1.0)
+            f.clamp_(FACTOR_MIN, 1.0)
 
     def snapshot(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.params]
@@ -100,7 +106,7 @@ class LearnedGrid:
     @torch.no_grad()
     def quantized(self, scale_dtype: torch.dtype) -> QuantWeight:
         """The integer grid: the scale as the artifact stores it, q rounded with the learned offsets."""
-        scale, zero = self._grid(self.hi, self.lo, scale_dtype)
+        scale, zero = self._grid(scale_dtype)
         x = torch.round(self.w / scale + self.v)
         if zero is not None:
             x = x + zero
