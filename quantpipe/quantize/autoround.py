@@ -186,11 +186,15 @@ def round_layer(model, i: int, schemes: dict[str, WeightScheme], seqs: list[list
             best_loss, best_step, best = loss.item(), t, {n: g.snapshot() for n, g in grids.items()}
         for g in grids.values():
             g.step(lr * (1 - t / iters))
-    for n, g in grids.items():
-        g.load(best[n])
-    learned = {n: g.quantized(scale_dtype) for n, g in grids.items()}
-    err_nearest, err_learned = error(nearest), error(learned)
-    kept = "learned" if err_learned <= err_nearest else "nearest"
+    if best is None:  # no step had a finite loss: nothing was learned
+        learned, err_nearest = nearest, error(nearest)
+        err_learned, kept = None, "nearest"
+    else:
+        for n, g in grids.items():
+            g.load(best[n])
+        learned = {n: g.quantized(scale_dtype) for n, g in grids.items()}
+        err_nearest, err_learned = error(nearest), error(learned)
+        kept = "learned" if err_learned <= err_nearest else "nearest"
     report = {"error_nearest": err_nearest, "error_learned": err_learned, "best_step": best_step, "kept": kept,
               "learn_dtype": str(learn_dtype).removeprefix("torch.")}
     return LayerResult(learned if kept == "learned" else nearest, report)

@@ -365,9 +365,9 @@ def _autoround_layers(model, samples: list[list[int]], schemes: dict[str, Weight
                     with torch.no_grad():  # later layers learn on this layer's quantized outputs
                         mod.weight.copy_(qw.dequantize(mod.weight.dtype))
                 report[f"layers.{i}"] = {k: round(v, 8) if isinstance(v, float) else v for k, v in found.report.items()}
-                log.info("AutoRound layer %d/%d in %.1fs: output error %.3g at round-to-nearest, %.3g learned",
+                log.info("AutoRound layer %d/%d in %.1fs: output error %.3g at round-to-nearest, %s learned",
                          i + 1, len(model.layers), time.perf_counter() - t, found.report["error_nearest"],
-                         found.report["error_learned"])
+                         "none" if found.report["error_learned"] is None else f"{found.report['error_learned']:.3g}")
             with torch.no_grad():
                 xq = [p.layer(i, x) for p, x in zip(passes, xq)]
             xf = ys
