@@ -3,8 +3,8 @@
 Each quantized Linear of a decoder layer gets a rounding offset v in [-0.5, 0.5] per
 weight and two range factors in [0.5, 1] per output row and group, one for each end of
 the group's range (a symmetric grid uses the full signed range: `LearnedGrid`). They start
-at round-to-nearest on the group's whole range (v = 0, factors 1) and are learned together by sign-gradient descent on the layer's
-output error: the layer with its current quantized weights, fed the quantized model's
+at round-to-nearest on the group's whole range (v = 0, factors 1) and are learned
+together by sign-gradient descent on the layer's output error: the layer with its current quantized weights, fed the quantized model's
 activations, against the unquantized layer's output on the unquantized model's
 activations, as a mean squared difference over a mini-batch of calibration sequences.
 Rounding passes gradients straight through. The step size decays linearly to 0, and the
@@ -75,13 +75,15 @@ class LearnedGrid:
             zero = (s.q_min - _round_ste(lo_v / scale)).clamp(s.q_min, s.q_max).unsqueeze(-1)
         return scale.unsqueeze(-1), zero
 
+    def _codes(self, scale: torch.Tensor, zero: torch.Tensor | None, rounding) -> torch.Tensor:
+        """q [N, G, gs] (float) on the grid, rounded with the learned offsets."""
+        x = rounding(self.w / scale + self.v)
+        return (x if zero is None else x + zero).clamp(self.scheme.q_min, self.scheme.q_max)
+
     def weight(self) -> torch.Tensor:
         """The fake-quantized weight [N, K], differentiable in v and the factors."""
         scale, zero = self._grid(None)
-        x = _round_ste(self.w / scale + self.v)
-        if zero is not None:
-            x = x + zero
-        q = x.clamp(self.scheme.q_min, self.scheme.q_max)
+        q = self._codes(scale, zero, _round_ste)
         return ((q if zero is None else q - zero) * scale).reshape(self.w.shape[0], -1)
 
     @torch.no_grad()
@@ -107,11 +109,7 @@ class LearnedGrid:
     def quantized(self, scale_dtype: torch.dtype) -> QuantWeight:
         """The integer grid: the scale as the artifact stores it, q rounded with the learned offsets."""
         scale, zero = self._grid(scale_dtype)
-        x = torch.round(self.w / scale + self.v)
-        if zero is not None:
-            x = x + zero
-        n = self.w.shape[0]
-        q = x.clamp(self.scheme.q_min, self.scheme.q_max).to(torch.int8).reshape(n, -1)
+        q = self._codes(scale, zero, torch.round).to(torch.int8).reshape(self.w.shape[0], -1)
         return QuantWeight(q, scale.squeeze(-1), None if zero is None else zero.squeeze(-1),
                            self.scheme.num_bits, self.scheme.group_size)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from quantpipe.manifest import StageError
-from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, SCHEMES, QuantConfig
+from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTYPES, METHODS, SCHEMES, QuantConfig
 
 
 @click.command("quantize", help="Quantize a model's weights into a compressed-tensors artifact.")
@@ -25,7 +25,7 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, METHODS, 
               help="autoround: sign-gradient steps per decoder layer (step size 1 / iters)")
 @click.option("--batch-size", type=int, default=8, show_default=True,
               help="autoround: calibration sequences per step")
-@click.option("--learn-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto",
+@click.option("--learn-dtype", type=click.Choice(LEARN_DTYPES), default="auto",
               show_default=True, help="autoround: dtype of its steps (auto: bfloat16 on CPUs with native bf16)")
 @click.option("--calib", default=None, help="calibration set folder (quantpipe calibrate) or a text file")
 @click.option("--calib-samples", type=int, default=128, show_default=True)

@@ -18,7 +18,8 @@ METHODS = ("rtn", "gptq", "awq", "autoround")
 GROUP_SIZES = (32, 64, 128)
 CLIPS = ("minmax", "mse")
 KV_CACHES = ("none", "int8", "fp8")
-KV_STRATEGIES = ("token", "channel")  # dynamic per token and KV head; static per KV head and channel
+KV_STRATEGIES = ("token", "channel")
+LEARN_DTYPES = ("auto", "bfloat16", "float32")  # autoround's steps; auto: bfloat16 where the CPU has native bf16  # dynamic per token and KV head; static per KV head and channel
 
 
 @dataclass
@@ -124,19 +125,17 @@ class QuantConfig:
                 raise StageError(f"smoothquant_alpha must be in (0, 1), got {self.smoothquant_alpha}")
         if self.method not in METHODS:
             raise StageError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
-        if self.method == "awq" and self.scheme == "W8A8":
-            raise StageError("method awq is for weight-only schemes (W8A16, W4A16, mixed); W8A8 uses SmoothQuant")
+        if self.method in ("awq", "autoround") and self.scheme == "W8A8":
+            raise StageError(f"method {self.method} is for weight-only schemes (W8A16, W4A16, mixed); W8A8 uses "
+                             f"SmoothQuant")
         if self.method == "autoround":
-            if self.scheme == "W8A8":
-                raise StageError("method autoround is for weight-only schemes (W8A16, W4A16, mixed); W8A8 uses "
-                                 "SmoothQuant")
             if self.clip == "mse":
                 raise StageError("clip does not apply to method autoround: it learns each group's range")
             for name in ("iters", "batch_size"):
                 if getattr(self, name) < 1:
                     raise StageError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.learn_dtype not in ("auto", "bfloat16", "float32"):
-            raise StageError(f"learn_dtype must be auto, bfloat16 or float32; got {self.learn_dtype!r}")
+        if self.learn_dtype not in LEARN_DTYPES:
+            raise StageError(f"learn_dtype must be one of {', '.join(LEARN_DTYPES)}; got {self.learn_dtype!r}")
         if self.kv_cache not in KV_CACHES:
             raise StageError(f"kv_cache must be one of {', '.join(KV_CACHES)}; got {self.kv_cache!r}")
         if self.kv_cache_strategy not in KV_STRATEGIES:
@@ -191,8 +190,8 @@ class QuantConfig:
 
 # The type each field takes from plain data (YAML): ints are accepted where floats are.
 _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "clip": str,
-          "dampening": (int, float), "block_size": int, "act_order": bool, "iters": int, "batch_size": int, "learn_dtype": str, "calib_samples": int,
-          "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str, "smoothquant_alpha": (int, float),
+          "dampening": (int, float), "block_size": int, "act_order": bool, "iters": int, "batch_size": int,
+          "learn_dtype": str, "calib_samples": int, "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str, "smoothquant_alpha": (int, float),
           "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
           "kv_cache_strategy": str, "calibrate_all_experts": bool}
 _OPTIONAL = {"group_size", "clip", "smoothquant_alpha", "bits_budget"}  # null is a value of these

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from quantpipe.runtime.model.attention import AttentionMetadata, PrefillSpan
-from quantpipe.runtime.model.kv_cache import layer_cache, make_kv_cache
+from quantpipe.runtime.model.kv_cache import layer_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
 
 
@@ -64,9 +64,7 @@ class SequenceBatch:
 
     def layer(self, i: int, x: torch.Tensor, module: torch.nn.Module | None = None) -> torch.Tensor:
         """Layer i (or `module`, a copy of it) on x [tokens, hidden], the sequences' rows in order."""
-        cfg = self.model.config
-        kv = make_kv_cache(self.tokens, cfg.num_kv_heads, cfg.head_dim, self.dtype, x.device,
-                           self.model.kv_cache_dtype, self.model.layers[i].self_attn.kv_scales)
+        kv = layer_cache(self.model, i, self.tokens, x.device, self.dtype)
         return (module or self.model.layers[i])(x, self.rope, kv, self.meta)
 
 

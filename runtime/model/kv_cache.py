@@ -153,10 +153,12 @@ def make_kv_cache(num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dty
     return QuantizedKVCache(num_slots, kv_heads, head_dim, dtype, device, kv_cache_dtype, static)
 
 
-def layer_cache(model, layer: int, num_slots: int, device) -> KVCache | QuantizedKVCache:
-    """A cache in the format `model` is served with, for layer `layer` (static scales are per layer)."""
+def layer_cache(model, layer: int, num_slots: int, device, dtype: torch.dtype | None = None
+                ) -> KVCache | QuantizedKVCache:
+    """A cache in the format `model` is served with, for layer `layer` (static scales are per layer);
+    `dtype`: K/V in this dtype instead of the model's (for a copy of the layer converted to it)."""
     cfg = model.config
-    return make_kv_cache(num_slots, cfg.num_kv_heads, cfg.head_dim, model.embed_tokens.weight.dtype, device,
+    return make_kv_cache(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype or model.embed_tokens.weight.dtype, device,
                          model.kv_cache_dtype, model.layers[layer].self_attn.kv_scales)
 
 
