@@ -1,7 +1,7 @@
 """KV cache formats on the default model: tokens per KV byte and the quality they cost.
 
     .venv/bin/python benchmarks/bench_kv_cache.py --heldout calib_sets/sample-set --calib calib_sets/sample-set \
-        [--max-texts 64] [--max-tokens 256] [--calib-samples 32]
+        [--max-texts 64] [--max-tokens 256] [--calib-samples 32] [--formats int8,fp8,int8-channel,int8-head]
 
 The weights stay as they are (float32), so every difference is the cache's. Each format
 scores the held-out texts with the teacher-forced scorer against the model-dtype cache:
@@ -23,6 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+# --formats name: (kv_cache_dtype, what is stored)
+FORMATS = {"int8": ("int8", "dynamic (token, head)"), "fp8": ("fp8", "dynamic (token, head)"),
+           "int8-channel": ("int8", "static (head, channel)"), "int8-head": ("int8", "static (head)")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heldout", required=True, help="a quantpipe calibrate folder: its heldout.jsonl is scored")
@@ -30,7 +35,12 @@ def main() -> None:
     ap.add_argument("--max-texts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--calib-samples", type=int, default=32)
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"some of: {', '.join(FORMATS)}")
     args = ap.parse_args()
+    wanted = args.formats.split(",")
+    unknown = sorted(set(wanted) - set(FORMATS))
+    if unknown:
+        ap.error(f"--formats: unknown {unknown[0]!r}; known: {', '.join(FORMATS)}")
 
     from quantpipe.eval.scorer import score_many
     from quantpipe.eval.stats import quality_with_ci
@@ -48,14 +58,14 @@ def main() -> None:
     per_head = [tuple(s.amax(-1, keepdim=True).expand_as(s).contiguous() for s in pair) for pair in per_channel]
 
     cand, _, _ = load_model(None, torch.float32)
-    formats = {"int8 dynamic (token, head)": ("int8", None), "fp8 dynamic (token, head)": ("fp8", None),
-               "int8 static (head, channel)": ("int8", per_channel), "int8 static (head)": ("int8", per_head)}
+    static = {"int8": None, "fp8": None, "int8-channel": per_channel, "int8-head": per_head}
+    formats = {label: (FORMATS[label], static[label]) for label in wanted}
     print(f"{len(rows)} held-out texts, <= {args.max_tokens} tokens each; static scales from {len(calib)} sequences")
     print("| KV cache | tokens per byte vs bf16 | ppl delta % [95% CI] | mean KL [95% CI] | top-1 agreement |")
     print("| --- | --- | --- | --- | --- |")
     budget = 64 << 20
     bf16_blocks = LLMEngine(dtype="bfloat16", device="cpu", kv_cache_memory=budget).pool.num_blocks
-    for label, (kind, scales) in formats.items():
+    for (kind, desc), scales in formats.values():
         cand.kv_cache_dtype = kind
         for layer, pair in zip(cand.layers, scales or [None] * len(cand.layers)):
             layer.self_attn.kv_scales = pair
@@ -71,7 +81,7 @@ def main() -> None:
         else:
             blocks = eng.pool.num_blocks
         ppl, kl, top1 = q["ppl_delta_pct"], q["kl_mean"], q["top1_agreement"]
-        print(f"| {label} | {blocks / bf16_blocks:.2f}x | {ppl['point']:+.2f} [{ppl['ci_lower']:+.2f}, "
+        print(f"| {kind} {desc} | {blocks / bf16_blocks:.2f}x | {ppl['point']:+.2f} [{ppl['ci_lower']:+.2f}, "
               f"{ppl['ci_upper']:+.2f}] | {kl['point']:.5f} [{kl['ci_lower']:.5f}, {kl['ci_upper']:.5f}] | "
               f"{top1['point']:.2%} |")
 

@@ -194,10 +194,9 @@ def verify_attention(art: Artifact, device: torch.device, dtype: torch.dtype) ->
                 raise VerificationError(f"kernel verification failed for the INT8 KV write ({result['key']}): "
                                         f"{int((step > 0).sum())} values differ from the runtime's write, "
                                         f"by up to {int(step.max())} steps (bound: 1 step in 0.1% of values)")
-            if cache.static is None and not (torch.equal(mirror.scale[i][slots_t], cache.scale[i][slots_t])
-                                             and torch.equal(mirror.zero[i][slots_t], cache.zero[i][slots_t])):
+            if cache.static is None and not torch.equal(mirror.scale[i][slots_t], cache.scale[i][slots_t]):
                 raise VerificationError(f"kernel verification failed for the INT8 KV write ({result['key']}): "
-                                        f"its fp16 scales or zeros differ from the runtime's write")
+                                        f"its fp16 scales differ from the runtime's write")
     q = torch.randn((3, cfg.num_heads, cfg.head_dim), generator=gen).to(device, dtype)
     out = paged_attention.paged_decode(q, cache, tables, lens, bs).float()
     kd, vd = cache.gather(tables, bs)

@@ -2,8 +2,9 @@
 
 The cache is the runtime's (quantpipe.runtime.model.kv_cache): one layer's slots
 [num_slots, KVH, D] (slot = block id * block size + offset), stored in the model dtype
-(`auto`), or as INT8 with an fp16 scale and zero per token and KV head (dynamic), or as
-INT8 on static per-(head, channel) scales. Each program takes one sequence and one query
+(`auto`), or as INT8 with an fp16 scale per token and KV head (dynamic; K/V in the
+cache's rotated basis, which the caller's q is already in), or as INT8 on static
+per-(head, channel) scales. Each program takes one sequence and one query
 head, walks the sequence's block table, dequantizes each K/V block as it loads it and
 keeps an online softmax, so no gathered copy of the context is ever built.
 """
@@ -35,19 +36,17 @@ def kv_kind(cache: KVCache | QuantizedKVCache) -> int:
 
 
 @triton.jit
-def _dequant(x, scale_ptr, zero_ptr, slots, valid, kvh, offs_d, KVH, D: tl.constexpr, KIND: tl.constexpr):
+def _dequant(x, scale_ptr, slots, valid, kvh, offs_d, KVH, D: tl.constexpr, KIND: tl.constexpr):
     x = x.to(tl.float32)
     if KIND == 1:
-        s = tl.load(scale_ptr + slots * KVH + kvh, mask=valid, other=0.0).to(tl.float32)
-        z = tl.load(zero_ptr + slots * KVH + kvh, mask=valid, other=0.0).to(tl.float32)
-        x = (x + 128.0) * s[:, None] + z[:, None]
+        x = x * tl.load(scale_ptr + slots * KVH + kvh, mask=valid, other=0.0).to(tl.float32)[:, None]
     if KIND == 2:
         x = x * tl.load(scale_ptr + kvh * D + offs_d)[None, :]
     return x
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, table_ptr, lens_ptr, out_ptr,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr,
                          sm_scale, KVH, stride_qb, stride_table, stride_ob,
                          GQA: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr):
     b = tl.program_id(0)
@@ -65,14 +64,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, ta
         slots = block * BLOCK + offs_t
         valid = j * BLOCK + offs_t < ctx
         off = slots[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
-        k = _dequant(tl.load(k_ptr + off, mask=valid[:, None], other=0), ks_ptr, kz_ptr, slots, valid, kvh,
-                     offs_d, KVH, D, KIND)
+        k = _dequant(tl.load(k_ptr + off, mask=valid[:, None], other=0), ks_ptr, slots, valid, kvh, offs_d, KVH,
+                     D, KIND)
         s = tl.where(valid, tl.sum(k * q[None, :], 1), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         p = tl.exp(s - m_new)
         alpha = tl.exp(m_i - m_new)
-        v = _dequant(tl.load(v_ptr + off, mask=valid[:, None], other=0), vs_ptr, vz_ptr, slots, valid, kvh,
-                     offs_d, KVH, D, KIND)
+        v = _dequant(tl.load(v_ptr + off, mask=valid[:, None], other=0), vs_ptr, slots, valid, kvh, offs_d, KVH,
+                     D, KIND)
         l_i = l_i * alpha + tl.sum(p, 0)
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         m_i = m_new
@@ -80,21 +79,21 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, ta
 
 
 def _storage(cache: KVCache | QuantizedKVCache, i: int):
-    """(values, scale, zero) pointers' tensors for K (i=0) or V (i=1); unused ones repeat the values."""
+    """(values, scales) tensors for K (i=0) or V (i=1); a cache without scales repeats the values."""
     kind = kv_kind(cache)
     if kind == AUTO:
         x = cache.k if i == 0 else cache.v
-        return x, x, x
+        return x, x
     if kind == INT8_STATIC:
         d = cache.q[i].shape[-1]
-        s = cache.static[i].expand(-1, d).contiguous()
-        return cache.q[i], s, s
-    return cache.q[i], cache.scale[i], cache.zero[i]
+        return cache.q[i], cache.static[i].expand(-1, d).contiguous()
+    return cache.q[i], cache.scale[i]
 
 
 def paged_decode(q: torch.Tensor, cache: KVCache | QuantizedKVCache, block_table: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """q [B, H, D] (one new token per sequence, its K/V already written) -> attention output [B, H, D]."""
+    """q [B, H, D] (one new token per sequence, its K/V already written) -> attention output [B, H, D],
+    both in the cache's basis (`cache.rotation`: attention.paged_attention turns them)."""
     b, h, d = q.shape
     kind = kv_kind(cache)
     values = cache.k if kind == AUTO else cache.q[0]
@@ -106,15 +105,15 @@ def paged_decode(q: torch.Tensor, cache: KVCache | QuantizedKVCache, block_table
     table = block_table.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    (k, ks, kz), (v, vs, vz) = _storage(cache, 0), _storage(cache, 1)
-    _paged_decode_kernel[(b, h)](q, k, v, ks, kz, vs, vz, table, lens, out, 1.0 / math.sqrt(d), kvh,
+    (k, ks), (v, vs) = _storage(cache, 0), _storage(cache, 1)
+    _paged_decode_kernel[(b, h)](q, k, v, ks, vs, table, lens, out, 1.0 / math.sqrt(d), kvh,
                                  q.stride(0), table.stride(0), out.stride(0),
                                  GQA=h // kvh, D=d, BLOCK=block_size, KIND=kind)
     return out
 
 
 @triton.jit
-def _kv_write_kernel(x_ptr, slots_ptr, q_ptr, s_ptr, z_ptr, KVH, stride_xt,
+def _kv_write_kernel(x_ptr, slots_ptr, q_ptr, s_ptr, KVH, stride_xt,
                      D: tl.constexpr, KIND: tl.constexpr, TINY: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,21 +121,19 @@ def _kv_write_kernel(x_ptr, slots_ptr, q_ptr, s_ptr, z_ptr, KVH, stride_xt,
     offs_d = tl.arange(0, D)
     x = tl.load(x_ptr + t * stride_xt + h * D + offs_d).to(tl.float32)
     dst = q_ptr + slot * (KVH * D) + h * D + offs_d
-    if KIND == 1:  # the runtime's grid: (q + 128) * scale + zero, scale and zero rounded to fp16 first
-        lo = tl.min(x, 0)
-        scale = tl.maximum((tl.max(x, 0) - lo) / 255.0, TINY).to(tl.float16)
-        zero = lo.to(tl.float16)
-        u = round_half_even((x - zero.to(tl.float32)) / tl.maximum(scale.to(tl.float32), TINY))
-        tl.store(dst, (tl.minimum(tl.maximum(u, 0.0), 255.0) - 128.0).to(tl.int8))
+    if KIND == 1:  # the runtime's grid: q * scale, the scale (amax / 127) rounded to fp16 first
+        scale = tl.maximum(tl.max(tl.abs(x), 0) / 127.0, TINY).to(tl.float16)
+        u = round_half_even(x / scale.to(tl.float32))
+        tl.store(dst, tl.minimum(tl.maximum(u, -127.0), 127.0).to(tl.int8))
         tl.store(s_ptr + slot * KVH + h, scale)
-        tl.store(z_ptr + slot * KVH + h, zero)
     else:  # static symmetric scales per (head, channel)
         s = tl.load(s_ptr + h * D + offs_d)
         tl.store(dst, tl.minimum(tl.maximum(round_half_even(x / s), -127.0), 127.0).to(tl.int8))
 
 
 def kv_write(cache: QuantizedKVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Quantize new K/V [T, KVH, D] into their slots of an INT8 cache, as QuantizedKVCache.write stores them."""
+    """Quantize new K/V [T, KVH, D], already in the cache's basis, into their slots of an INT8 cache, as
+    QuantizedKVCache.write stores them."""
     kind = kv_kind(cache)
     if kind == AUTO:
         raise ValueError("kv_write quantizes into an int8 cache; a bf16 cache takes index_copy_")
@@ -144,8 +141,8 @@ def kv_write(cache: QuantizedKVCache, slots: torch.Tensor, k: torch.Tensor, v: t
     slots = slots.contiguous()
     for i, x in enumerate((k, v)):
         x = x.contiguous()
-        values, scale, zero = _storage(cache, i)
-        _kv_write_kernel[(t, kvh)](x, slots, values, scale, zero, kvh, x.stride(0), D=d, KIND=kind, TINY=SCALE_FLOOR)
+        values, scale = _storage(cache, i)
+        _kv_write_kernel[(t, kvh)](x, slots, values, scale, kvh, x.stride(0), D=d, KIND=kind, TINY=SCALE_FLOOR)
 
 
 def decode_kernel_for(model, block_size: int):

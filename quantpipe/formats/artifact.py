@@ -11,7 +11,10 @@ kernels build, eval, gate and publish all go through it.
   `read_quantized` reads them back into a `QuantWeight`, side by side. llm-compressor's
   checkpoints read the same way.
 - **KV cache.** `kv_cache_scheme`, with static `self_attn.k_scale` / `v_scale` per layer
-  (`kv_cache_kind`, `kv_cache_format`).
+  (`kv_cache_kind`, `kv_cache_format`). A dynamic scheme (strategy `token`) stores
+  nothing: its scales are computed as tokens are cached, on the runtime's own grid
+  (kv_cache.py: symmetric per token and KV head, in a rotated basis), as vLLM lays out
+  its own per-token cache; quantpipe writes `symmetric: true` and reads either.
 - **Identity.** `artifact_sha256` hashes the files that define the model (weights, config,
   tokenizer), not quantpipe.json (the manifest, which records timings) nor kernels.json
   (the kernel choices, rebuilt per device): the eval report, the gate verdict and the

@@ -59,7 +59,7 @@ class QuantConfig:
     # precision: 4 x 512 tokens took the default model's 210 Linears ~14 min on 2 cores, 4 x 128 ~4.
     sensitivity_samples: int = 4
     sensitivity_tokens: int = 128
-    kv_cache: str = "none"  # K/V storage the artifact is served with: int8 or fp8
+    kv_cache: str = "none"  # K/V storage the artifact is served with: int8 or fp8 (symmetric)
     kv_cache_strategy: str = "token"  # token: scales per token and KV head at run time; channel: static, calibrated
     # Mixture of experts, GPTQ/AWQ: every expert's Hessian from every calibration token of its
     # layer, not only the tokens the router sends it (the layer's output still follows the
@@ -181,7 +181,7 @@ class QuantConfig:
             return None
         static = self.kv_cache_strategy == "channel"
         return {"num_bits": 8, "type": "int" if self.kv_cache == "int8" else "float",
-                "symmetric": static or self.kv_cache == "fp8", "strategy": self.kv_cache_strategy,
+                "symmetric": True, "strategy": self.kv_cache_strategy,
                 "dynamic": not static, "group_size": None, "observer": "minmax" if static else None}
 
     def to_dict(self) -> dict:

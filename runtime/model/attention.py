@@ -3,6 +3,8 @@
 The cache of one layer holds slots `[num_blocks * block_size, kv_heads, head_dim]`
 (slot = block_id * block_size + offset) in the model dtype or 8-bit (kv_cache.py). New
 K/V are written into their slots, then each query reads only its own request's slots.
+A cache that stores K/V in a rotated basis (`cache.rotation`, dynamic INT8) gets q, k
+and v in that basis and the output is turned back: attention itself is unchanged.
 Decodes (one query token) take the runner's `decode_kernel` when it has one (CPU:
 csrc/paged_decode.cpp for caches in the model dtype; CUDA: quantpipe.kernels' Triton
 kernel, INT8 too), which reads K/V straight from the blocks. Otherwise they are sorted by
@@ -124,6 +126,20 @@ def paged_attention(
     meta: AttentionMetadata,
     window: int | None = None,
 ) -> torch.Tensor:
+    rot = cache.rotation
+    if rot is not None:
+        q, k, v = (_rotate(x, rot) for x in (q, k, v))
+    out = _attend(q, k, v, cache, meta, window)
+    return out if rot is None else _rotate(out, rot.mT)
+
+
+def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x [..., D] times r [D, D], in float32, back in x's dtype."""
+    return (x.float() @ r).to(x.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | QuantizedKVCache,
+            meta: AttentionMetadata, window: int | None) -> torch.Tensor:
     k, v = cache.write(meta.slot_mapping, k, v)  # as a read returns them: 8-bit caches round them
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)

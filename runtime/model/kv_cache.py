@@ -2,16 +2,29 @@
 
 A cache holds one layer's slots `[num_slots, kv_heads, head_dim]` (slot = block_id *
 block_size + offset). Attention writes each new token's K/V into its slot and reads
-whole blocks back through a block table, so the storage format is invisible to it:
-`write` (which returns the K/V as a read will see them) and `gather` are the whole interface.
+whole blocks back through a block table: `write` (which returns the K/V as a read will
+see them) and `gather` are the whole storage interface, plus `rotation`, below.
 
 - `auto`: the model dtype, stored as computed.
-- `int8`: asymmetric, x = (q + 128) * scale + zero, one fp16 scale and zero per token
-  and KV head (68 bytes per head of 64 values instead of 128 in bf16).
+- `int8`: symmetric, x = q * scale, one fp16 scale (amax / 127) per token and KV head
+  (66 bytes per head of 64 values instead of 128 in bf16: 1.94x the tokens), on K/V
+  rotated per head by a normalized Hadamard matrix (`rotation`; head sizes that are
+  powers of two). The rotation spreads the few large channels of rotated keys over
+  all 64, so one scale per token fits every channel: on the default model it has a
+  quarter of the KL of the same grid without it and half that of an asymmetric grid
+  with a zero per token (68 bytes; BENCHMARKS.md, "KV cache in 8 bits").
 - `fp8`: e4m3 with one fp16 scale per token and KV head (amax / 448), no zero.
 - Either with static scales instead, calibrated when the artifact was made (symmetric;
   per KV head and channel, per head, or per layer), so only the values are stored (2x
   the tokens of bf16) and nothing is computed per token.
+
+`rotation` ([D, D] orthonormal, or None) is the basis K and V are stored in. Attention
+(attention.paged_attention) hands the cache q, k and v times it and multiplies its
+output by the transpose: scores q.k and the mix of values are unchanged by an
+orthonormal basis change, so every attention path (gather, SDPA, decode kernels) runs
+as it is, in the rotated basis, at two D x D products per head and token (SpinQuant's
+online Hadamard on queries and keys, applied to values too). It is the runtime's own
+layout of a dynamic cache, which stores nothing an artifact describes.
 
 Quantized caches are written on store and dequantized on read; the keys a prefill
 chunk computes itself are taken as `write` returns them, so every key
@@ -24,6 +37,8 @@ affected).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -45,15 +60,26 @@ def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.
         per_head = head_dim * torch.empty((), dtype=dtype).element_size()
     elif static:
         per_head = head_dim
-    elif kv_cache_dtype == "int8":
-        per_head = head_dim + 2 + 2  # values, fp16 scale, fp16 zero
     else:
-        per_head = head_dim + 2
+        per_head = head_dim + 2  # values, fp16 scale
     return 2 * num_layers * kv_heads * per_head
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """The normalized Sylvester Hadamard matrix [n, n] (symmetric, orthonormal), float32;
+    None where n is not a power of two."""
+    if n < 1 or n & (n - 1):
+        return None
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(n)
 
 
 class KVCache:
     """K/V in the model dtype."""
+
+    rotation: torch.Tensor | None = None  # stored as computed
 
     def __init__(self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device):
         shape = (num_slots, kv_heads, head_dim)
@@ -72,8 +98,8 @@ class KVCache:
 
 
 class QuantizedKVCache:
-    """K/V as int8 or fp8 values with an fp16 scale (and, for int8, zero) per token and KV head,
-    or with `static` scales for K and V ([KVH, 1] or [KVH, D] each)."""
+    """K/V as int8 or fp8 values with an fp16 scale per token and KV head (int8 in a
+    Hadamard-rotated basis), or with `static` scales for K and V ([KVH, 1] or [KVH, D] each)."""
 
     def __init__(self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, kind: str,
                  static: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -87,61 +113,42 @@ class QuantizedKVCache:
         self.static = None if static is None else [s.float().to(device).reshape(kv_heads, -1) for s in static]
         if self.static is None:
             self.scale = [torch.zeros((num_slots, kv_heads), dtype=torch.float16, device=device) for _ in "kv"]
-            self.zero = [torch.zeros((num_slots, kv_heads), dtype=torch.float16, device=device) for _ in "kv"] \
-                if kind == "int8" else None
+        # Static scales were calibrated on K/V as computed, so only dynamic int8 stores them rotated.
+        rot = hadamard(head_dim) if kind == "int8" and static is None else None
+        self.rotation = None if rot is None else rot.to(device)
 
-    def _quantize(self, x: torch.Tensor, i: int):
-        xf = x.float()
+    def _quantize(self, x: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values, the fp16 scale per token and KV head or None with static scales)."""
+        grid_max = 127.0 if self.kind == "int8" else _FP8_MAX
         if self.static is not None:  # symmetric on the calibrated grid; values past it saturate
-            s = self.static[i]
-            if self.kind == "int8":
-                return torch.round(xf / s).clamp_(-127, 127).to(torch.int8), None, None
-            return (xf / s).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8), None, None
-        if self.kind == "int8":
-            lo, hi = xf.amin(-1), xf.amax(-1)
-            scale = ((hi - lo) / 255).clamp_min(SCALE_FLOOR).half()
-            zero = lo.half()
-            # Round with the stored (fp16) scale and zero so the read inverts exactly this step.
-            q = torch.round((xf - zero.float()[..., None]) / scale.float().clamp_min(SCALE_FLOOR)[..., None])
-            return (q.clamp_(0, 255) - 128).to(torch.int8), scale, zero
-        scale = (xf.abs().amax(-1) / _FP8_MAX).clamp_min(SCALE_FLOOR).half()
-        q = (xf / scale.float().clamp_min(SCALE_FLOOR)[..., None]).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-        return q.view(torch.uint8), scale, None
+            scale, s = None, self.static[i]
+        else:  # round with the stored (fp16) scale so the read inverts exactly this step
+            scale = (x.float().abs().amax(-1) / grid_max).clamp_min(SCALE_FLOOR).half()
+            s = scale.float()[..., None]
+        y = (x.float() / s).clamp_(-grid_max, grid_max)
+        return (torch.round(y).to(torch.int8) if self.kind == "int8" else y.to(torch.float8_e4m3fn).view(torch.uint8)), scale
 
-    def _dequantize(self, q: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-                    i: int) -> torch.Tensor:
-        if self.static is not None:
-            x = q.float() if self.kind == "int8" else q.view(torch.float8_e4m3fn).float()
-            return (x * self.static[i]).to(self.dtype)
-        if self.kind == "int8":
-            x = (q.float() + 128) * scale.float()[..., None] + zero.float()[..., None]
-        else:
-            x = q.view(torch.float8_e4m3fn).float() * scale.float()[..., None]
-        return x.to(self.dtype)
+    def _dequantize(self, q: torch.Tensor, scale: torch.Tensor | None, i: int) -> torch.Tensor:
+        x = q.float() if self.kind == "int8" else q.view(torch.float8_e4m3fn).float()
+        return (x * (self.static[i] if scale is None else scale.float()[..., None])).to(self.dtype)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize and store K/V into `slots`; returns them dequantized, as a read will."""
         seen = []
         for i, x in enumerate((k, v)):
-            q, scale, zero = self._quantize(x, i)
+            q, scale = self._quantize(x, i)
             self.q[i].index_copy_(0, slots, q)
             if scale is not None:
                 self.scale[i].index_copy_(0, slots, scale)
-            if zero is not None:
-                self.zero[i].index_copy_(0, slots, zero)
-            seen.append(self._dequantize(q, scale, zero, i))
+            seen.append(self._dequantize(q, scale, i))
         return seen[0], seen[1]
 
     def gather(self, block_table: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
         for i in range(2):
             q = _gather(self.q[i], block_table, block_size)
-            if self.static is not None:
-                out.append(self._dequantize(q, None, None, i))
-                continue
-            scale = _gather(self.scale[i], block_table, block_size)
-            zero = None if self.zero is None else _gather(self.zero[i], block_table, block_size)
-            out.append(self._dequantize(q, scale, zero, i))
+            scale = None if self.static is not None else _gather(self.scale[i], block_table, block_size)
+            out.append(self._dequantize(q, scale, i))
         return out[0], out[1]
 
 
