@@ -6,7 +6,7 @@ K/V are written into their slots, then each query reads only its own request's s
 A cache that stores K/V in a rotated basis (`cache.rotation`, dynamic INT8) gets q, k
 and v in that basis and the output is turned back: attention itself is unchanged.
 Decodes (one query token) take the runner's `decode_kernel` when it has one (CPU:
-csrc/paged_decode.cpp for caches in the model dtype; CUDA: quantpipe.kernels' Triton
+csrc/paged_decode.cpp for caches in the model dtype or dynamic INT8; CUDA: quantpipe.kernels' Triton
 kernel, INT8 too), which reads K/V straight from the blocks. Otherwise they are sorted by
 context length into a few groups over padded slot tables (grouping similar lengths keeps
 padding small), each gathered and attended with two GEMMs. Prefill chunks run one SDPA

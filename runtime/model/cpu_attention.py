@@ -2,8 +2,9 @@
 in one module with the fused bf16 element-wise ops (csrc/elementwise.cpp, fused_elementwise.py)
 and the W8A16 decode kernel (csrc/int8_linear.cpp, quantized.Int8PackLinear).
 
-It reads K/V straight from their blocks, where the torch path gathers them into a padded
-copy and lays them out for two GEMMs (benchmarks/bench_decode_attention.py, BENCHMARKS.md).
+It reads K/V straight from their blocks (caches in the model dtype, and dynamic INT8 ones
+with each token's scales applied once per token), where the torch path gathers them into
+a padded, dequantized copy and lays them out for two GEMMs (benchmarks/bench_decode_attention.py, BENCHMARKS.md).
 Compiling needs a C++ compiler (torch.utils.cpp_extension, about 40 s, cached per source,
 torch and Python version and CPU); without one the torch path is used and that is said once.
 """

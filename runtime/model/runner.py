@@ -15,7 +15,7 @@ from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, Pr
 from quantpipe.runtime.model.blocked_linear import block_wide_linears
 from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
 from quantpipe.runtime.model.fused_elementwise import fuse_elementwise
-from quantpipe.runtime.model.kv_cache import bytes_per_token, layer_cache
+from quantpipe.runtime.model.kv_cache import QuantizedKVCache, bytes_per_token, layer_cache
 from quantpipe.runtime.model.llama import LlamaForCausalLM
 from quantpipe.runtime.model.prepacked_linear import prepack_linears
 
@@ -128,8 +128,12 @@ class ModelRunner:
 
 
 def _cpu_decode_kernel(model: LlamaForCausalLM):
-    """The CPU paged decode kernel for a cache in the model dtype, or None (8-bit caches, no compiler)."""
-    if model.kv_cache_dtype != "auto" or model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32):
+    """The CPU paged decode kernel for a cache in the model dtype or in dynamic INT8, or None
+    (FP8 or static scales, no compiler)."""
+    if model.kv_cache_dtype not in ("auto", "int8") or model.embed_tokens.weight.dtype not in (torch.bfloat16,
+                                                                                              torch.float32):
+        return None
+    if model.kv_cache_dtype == "int8" and any(layer.self_attn.kv_scales is not None for layer in model.layers):
         return None
     from quantpipe.runtime.model.cpu_attention import extension
 
@@ -138,6 +142,9 @@ def _cpu_decode_kernel(model: LlamaForCausalLM):
         return None
 
     def decode(q, cache, block_table, context_lens, block_size):
+        if isinstance(cache, QuantizedKVCache):  # in the cache's rotated basis: attention turns q and the output
+            return ext.paged_decode_int8(q, cache.q[0], cache.q[1], cache.scale[0], cache.scale[1], block_table,
+                                         context_lens, block_size)
         return ext.paged_decode(q, cache.k, cache.v, block_table, context_lens, block_size)
 
     return decode

@@ -7,7 +7,7 @@ import torch
 
 from quantpipe.runtime.model.attention import AttentionMetadata, DecodeGroup, paged_attention
 from quantpipe.runtime.model.cpu_attention import build_directory, extension
-from quantpipe.runtime.model.kv_cache import KVCache
+from quantpipe.runtime.model.kv_cache import KVCache, QuantizedKVCache
 
 BS = 16
 
@@ -79,6 +79,45 @@ def test_the_engine_decodes_through_the_kernel_on_cpu():
 
     llm = LLM(dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory="64MiB")
     assert llm.engine.runner.decode_kernel is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh", [(9, 3), (4, 4)], ids=["gqa", "mha"])
+def test_int8_kernel_matches_the_torch_path(ext, dtype, heads, kvh):
+    """A dynamic INT8 cache read in place (int8 rows, each token's scale applied once) against
+    the torch path, which gathers and dequantizes; both in the cache's rotated basis."""
+    _, table, lens, mask, q = _case(dtype, kvh=kvh, heads=heads, seed=2)
+    cache = QuantizedKVCache(40 * BS, kvh, 64, dtype, "cpu", "int8")
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(40 * BS, kvh, 64, generator=g) * 3, torch.randn(40 * BS, kvh, 64, generator=g)
+    cache.write(torch.arange(40 * BS), k.to(dtype), v.to(dtype))
+    empty = torch.empty(0, kvh, 64, dtype=dtype)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=BS,
+                             decodes=[DecodeGroup(0, len(lens), table, mask, lens)])
+    expected = paged_attention(q, empty, empty, cache, meta).float()  # gather + GEMMs
+    rot = cache.rotation
+    got = ext.paged_decode_int8((q.float() @ rot).to(dtype), cache.q[0], cache.q[1], cache.scale[0], cache.scale[1],
+                                table, lens, BS)
+    assert got.dtype == dtype
+    got = got.float() @ rot.mT
+    bound = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: q, P and the output rounded on either side
+    assert (got - expected).abs().max().item() < bound
+    with pytest.raises(RuntimeError, match="INT8 K/V scales must be contiguous float16"):
+        ext.paged_decode_int8(q, cache.q[0], cache.q[1], cache.scale[0].float(), cache.scale[1], table, lens, BS)
+
+
+def test_the_engine_decodes_int8_caches_through_the_kernel():
+    """The runner hands paged_attention the kernel for a dynamic INT8 cache, and greedy output
+    (float32, one batch) is the torch path's."""
+    from quantpipe.runtime import LLM, SamplingParams
+
+    llms = [LLM(dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory="16MiB", kv_cache_dtype="int8",
+                disable_cpu_kernels=off) for off in ("", "attention")]
+    assert llms[0].engine.runner.decode_kernel is not None and llms[1].engine.runner.decode_kernel is None
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 504, 3303, 28, 260, 1793], [1, 9690, 314, 253, 1535, 28]]
+    outs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in llms]
+    assert outs[0] == outs[1]
 
 
 @pytest.mark.parametrize("heads,kvh", [(9, 3), (12, 2), (4, 4)], ids=["group3", "group6", "mha"])

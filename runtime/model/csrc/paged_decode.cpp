@@ -3,6 +3,9 @@
 // (bf16 x bf16 products, exact in float32, on the AVX-512 BF16 path).
 // One task per (sequence, KV head): the query heads sharing that KV head are scored together,
 // so each K/V row is loaded once for all of them. Runs on torch's intra-op thread pool.
+// Caches in the model dtype, or dynamic INT8 (kv_cache.py: int8 values, one fp16 scale per
+// token and KV head, x = q * scale): a token's scale factors out of q.k and of its share of
+// the values, so the int8 rows are read as they are and each scale is applied once per token.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,6 +29,7 @@ inline float to_float(const c10::BFloat16 x) {
   return f;
 }
 inline float to_float(const float x) { return x; }
+inline float to_float(const int8_t x) { return static_cast<float>(x); }
 
 #ifdef QUANTPIPE_AVX512_BF16
 // bf16 caches with head_dim 64 on CPUs with AVX-512 BF16 (the common serving case). The
@@ -115,14 +119,17 @@ void weighted_v_bf16_64(const float* p, const c10::BFloat16* v, const int64_t* s
 #endif
 
 // kDim > 0: head_dim fixed at compile time (64, 128), so the inner loops unroll into whole
-// vectors with no remainder handling; 0: any head_dim.
-template <typename T, int64_t kDim>
-void decode(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lens, T* out,
+// vectors with no remainder handling; 0: any head_dim. S: the cache's values, T (the model
+// dtype) or int8_t with per-token scales k_scale / v_scale [slots, KVH] (nullptr for T).
+template <typename T, typename S, int64_t kDim>
+void decode(const T* q, const S* k, const S* v, const at::Half* k_scale, const at::Half* v_scale,
+            const int64_t* table, const int64_t* lens, T* out,
             int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_blocks,
             int64_t block_size, int64_t num_slots, float scale) {
   const int64_t dim = kDim > 0 ? kDim : head_dim;
+  constexpr bool kScaled = std::is_same_v<S, int8_t>;
 #ifdef QUANTPIPE_AVX512_BF16
-  constexpr bool kFast = std::is_same_v<T, c10::BFloat16> && kDim == 64;
+  constexpr bool kFast = std::is_same_v<T, c10::BFloat16> && std::is_same_v<S, T> && kDim == 64;
 #else
   constexpr bool kFast = false;
 #endif
@@ -164,13 +171,15 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table, const int6
 #endif
       } else {
         for (int64_t t = 0; t < ctx; ++t) {
-          const T* kr = k + (slots[t] * kv_heads + h) * dim;
+          const S* kr = k + (slots[t] * kv_heads + h) * dim;
           for (int64_t d = 0; d < dim; ++d) row[d] = to_float(kr[d]);
+          float ks = 1.f;
+          if constexpr (kScaled) ks = static_cast<float>(k_scale[slots[t] * kv_heads + h]);
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf.data() + g * dim;
             float s = 0.f;
             for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
-            scores[g * ctx + t] = s;
+            scores[g * ctx + t] = s * ks;
           }
         }
       }
@@ -190,10 +199,12 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table, const int6
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t t = 0; t < ctx; ++t) {
-          const T* vr = v + (slots[t] * kv_heads + h) * dim;
+          const S* vr = v + (slots[t] * kv_heads + h) * dim;
           for (int64_t d = 0; d < dim; ++d) row[d] = to_float(vr[d]);
+          float vs = 1.f;
+          if constexpr (kScaled) vs = static_cast<float>(v_scale[slots[t] * kv_heads + h]);
           for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * ctx + t];
+            const float p = scores[g * ctx + t] * vs;
             float* ag = acc.data() + g * dim;
             for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
           }
@@ -208,28 +219,37 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table, const int6
   TORCH_CHECK(!bad_block, "block_table holds a block id outside the cache");
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_table, torch::Tensor context_lens, int64_t block_size) {
+// Checks shared by both entry points; returns (table, lens) as contiguous int64.
+std::pair<torch::Tensor, torch::Tensor> check_layout(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                                     const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                                                     const torch::Tensor& context_lens, int64_t block_size) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q [B, H, D] and K/V caches [slots, KVH, D] expected");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the K/V caches must share a dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(2) == k_cache.size(2), "head counts or sizes differ");
-  q = q.contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "K/V caches must be contiguous");
   auto table = block_table.to(torch::kLong).contiguous();
   auto lens = context_lens.to(torch::kLong).contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "K/V caches must be contiguous");
   TORCH_CHECK(table.size(0) == q.size(0) && lens.size(0) == q.size(0), "one block table row and length per query");
   TORCH_CHECK(block_size >= 1 && k_cache.size(0) % block_size == 0, "block_size must divide the cache's slots");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat, "bfloat16 or float32 only");
+  return {table, lens};
+}
+
+// Runs decode<T, S, dim> for q's dtype T and the head size (64 and 128 compiled apart).
+template <typename S>
+torch::Tensor run_decode(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const at::Half* k_scale, const at::Half* v_scale, const torch::Tensor& table,
+                         const torch::Tensor& lens, int64_t block_size) {
+  q = q.contiguous();
   auto out = torch::empty_like(q);
   const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat, "bfloat16 or float32 only");
   auto run = [&](auto* tag, auto dim_tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    decode<T, decltype(dim_tag)::value>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                                        table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(),
-                                        q.size(0), q.size(1), k_cache.size(1), q.size(2), table.size(1),
-                                        block_size, k_cache.size(0), scale);
+    using V = std::conditional_t<std::is_same_v<S, int8_t>, int8_t, T>;
+    decode<T, V, decltype(dim_tag)::value>(q.data_ptr<T>(), k_cache.data_ptr<V>(), v_cache.data_ptr<V>(), k_scale,
+                                           v_scale, table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                           out.data_ptr<T>(), q.size(0), q.size(1), k_cache.size(1), q.size(2),
+                                           table.size(1), block_size, k_cache.size(0), scale);
   };
   auto by_dim = [&](auto* tag) {
     if (q.size(2) == 64) run(tag, std::integral_constant<int64_t, 64>{});
@@ -239,6 +259,29 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   if (q.scalar_type() == torch::kBFloat16) by_dim(static_cast<c10::BFloat16*>(nullptr));
   else by_dim(static_cast<float*>(nullptr));
   return out;
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor context_lens, int64_t block_size) {
+  auto [table, lens] = check_layout(q, k_cache, v_cache, block_table, context_lens, block_size);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the K/V caches must share a dtype");
+  return run_decode<void>(q, k_cache, v_cache, nullptr, nullptr, table, lens, block_size);
+}
+
+// Dynamic INT8 caches: int8 values [slots, KVH, D] and fp16 scales [slots, KVH] for K and V.
+torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale,
+                                torch::Tensor v_scale, torch::Tensor block_table, torch::Tensor context_lens,
+                                int64_t block_size) {
+  auto [table, lens] = check_layout(q, k_cache, v_cache, block_table, context_lens, block_size);
+  TORCH_CHECK(k_cache.scalar_type() == torch::kChar && v_cache.scalar_type() == torch::kChar,
+              "INT8 K/V caches must be int8");
+  for (const auto* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->scalar_type() == torch::kHalf && s->is_contiguous() && s->dim() == 2 &&
+                    s->size(0) == k_cache.size(0) && s->size(1) == k_cache.size(1),
+                "INT8 K/V scales must be contiguous float16 [slots, KVH]");
+  return run_decode<int8_t>(q, k_cache, v_cache, k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), table,
+                            lens, block_size);
 }
 
 }  // namespace
@@ -254,6 +297,8 @@ torch::Tensor packed_linear_f32(const torch::Tensor& x, const torch::Tensor& wei
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_int8", &paged_decode_int8, "decode attention over a dynamic INT8 paged KV cache",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows in one pass", py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul_bf16", &silu_mul_bf16, "SiLU(gate) * up of bf16 rows in one pass",
