@@ -10,9 +10,9 @@ see them) and `gather` are the whole storage interface, plus `rotation`, below.
   (66 bytes per head of 64 values instead of 128 in bf16: 1.94x the tokens), on K/V
   rotated per head by a normalized Hadamard matrix (`rotation`; head sizes that are
   powers of two). The rotation spreads the few large channels of rotated keys over
-  all 64, so one scale per token fits every channel: on the default model it has a
-  quarter of the KL of the same grid without it and half that of an asymmetric grid
-  with a zero per token (68 bytes; BENCHMARKS.md, "KV cache in 8 bits").
+  all 64, so one scale per token fits every channel: on the default model it has half
+  the KL of the asymmetric grid with a zero per token it replaced (68 bytes; BENCHMARKS.md,
+  "KV cache in 8 bits").
 - `fp8`: e4m3 with one fp16 scale per token and KV head (amax / 448), no zero.
 - Either with static scales instead, calibrated when the artifact was made (symmetric;
   per KV head and channel, per head, or per layer), so only the values are stored (2x
