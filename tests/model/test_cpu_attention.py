@@ -82,16 +82,17 @@ def test_the_engine_decodes_through_the_kernel_on_cpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kvh", [(9, 3), (4, 4)], ids=["gqa", "mha"])
-def test_int8_kernel_matches_the_torch_path(ext, dtype, heads, kvh):
+@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (4, 4, 64), (4, 2, 128)], ids=["gqa", "mha", "d128"])
+def test_int8_kernel_matches_the_torch_path(ext, dtype, heads, kvh, d):
     """A dynamic INT8 cache read in place (int8 rows, each token's scale applied once) against
-    the torch path, which gathers and dequantizes; both in the cache's rotated basis."""
-    _, table, lens, mask, q = _case(dtype, kvh=kvh, heads=heads, seed=2)
-    cache = QuantizedKVCache(40 * BS, kvh, 64, dtype, "cpu", "int8")
+    the torch path, which gathers and dequantizes; both in the cache's rotated basis. Head
+    size 64 takes the AVX-512 path where the CPU has one, 128 the plain loops."""
+    _, table, lens, mask, q = _case(dtype, kvh=kvh, heads=heads, d=d, seed=2)
+    cache = QuantizedKVCache(40 * BS, kvh, d, dtype, "cpu", "int8")
     g = torch.Generator().manual_seed(3)
-    k, v = torch.randn(40 * BS, kvh, 64, generator=g) * 3, torch.randn(40 * BS, kvh, 64, generator=g)
+    k, v = torch.randn(40 * BS, kvh, d, generator=g) * 3, torch.randn(40 * BS, kvh, d, generator=g)
     cache.write(torch.arange(40 * BS), k.to(dtype), v.to(dtype))
-    empty = torch.empty(0, kvh, 64, dtype=dtype)
+    empty = torch.empty(0, kvh, d, dtype=dtype)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=BS,
                              decodes=[DecodeGroup(0, len(lens), table, mask, lens)])
     expected = paged_attention(q, empty, empty, cache, meta).float()  # gather + GEMMs

@@ -116,6 +116,77 @@ void weighted_v_bf16_64(const float* p, const c10::BFloat16* v, const int64_t* s
     }
   }
 }
+
+// Dynamic INT8 caches with head_dim 64, the same tiling: 16 int8 values widened to float32
+// per vector, each token's fp16 scale applied to its 16-token tile of sums (K) or to its
+// probability (V).
+inline __m512 int8_to_f32(const int8_t* p) {  // 16 values
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// scores[g * ctx + t] = k_scale_t * qf_g . k_t, qf in float32 and already times the softmax scale.
+void scores_int8_64(const float* qf, const int8_t* k, const at::Half* k_scale, const int64_t* slots, int64_t ctx,
+                    int64_t group, int64_t kv_heads, int64_t h, float* scores) {
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 qv[4];
+    for (int j = 0; j < 4; ++j) qv[j] = _mm512_loadu_ps(qf + g * 64 + 16 * j);
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, ctx - t0);
+      __m512 acc[16];
+      alignas(64) float ks[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < n) {
+          const int64_t at = slots[t0 + i] * kv_heads + h;
+          const int8_t* kr = k + at * 64;
+          __m512 a = _mm512_mul_ps(qv[0], int8_to_f32(kr));
+          for (int j = 1; j < 4; ++j) a = _mm512_fmadd_ps(qv[j], int8_to_f32(kr + 16 * j), a);
+          acc[i] = a;
+          ks[i] = static_cast<float>(k_scale[at]);
+        } else {
+          acc[i] = _mm512_setzero_ps();
+          ks[i] = 0.f;
+        }
+      }
+      _mm512_mask_storeu_ps(scores + g * ctx + t0, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(sum16(acc), _mm512_load_ps(ks)));
+    }
+  }
+}
+
+template <int GN>
+void weighted_v_int8_tile(const float* p, const int8_t* v, const at::Half* v_scale, const int64_t* slots,
+                          int64_t ctx, int64_t kv_heads, int64_t h, float* acc) {
+  __m512 a[GN][4];
+  for (int i = 0; i < GN; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t at = slots[t] * kv_heads + h;
+    const int8_t* vr = v + at * 64;
+    const float vs = static_cast<float>(v_scale[at]);
+    __m512 row[4];
+    for (int j = 0; j < 4; ++j) row[j] = int8_to_f32(vr + 16 * j);
+    for (int i = 0; i < GN; ++i) {
+      const __m512 pi = _mm512_set1_ps(p[i * ctx + t] * vs);
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(pi, row[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < GN; ++i)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + i * 64 + 16 * j, a[i][j]);
+}
+
+void weighted_v_int8_64(const float* p, const int8_t* v, const at::Half* v_scale, const int64_t* slots, int64_t ctx,
+                        int64_t group, int64_t kv_heads, int64_t h, float* acc) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const float* pg = p + g0 * ctx;
+    float* ag = acc + g0 * 64;
+    switch (std::min<int64_t>(4, group - g0)) {
+      case 1: weighted_v_int8_tile<1>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
+      case 2: weighted_v_int8_tile<2>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
+      case 3: weighted_v_int8_tile<3>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
+      default: weighted_v_int8_tile<4>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
+    }
+  }
+}
 #endif
 
 // kDim > 0: head_dim fixed at compile time (64, 128), so the inner loops unroll into whole
@@ -130,8 +201,10 @@ void decode(const T* q, const S* k, const S* v, const at::Half* k_scale, const a
   constexpr bool kScaled = std::is_same_v<S, int8_t>;
 #ifdef QUANTPIPE_AVX512_BF16
   constexpr bool kFast = std::is_same_v<T, c10::BFloat16> && std::is_same_v<S, T> && kDim == 64;
+  constexpr bool kFastInt8 = kScaled && kDim == 64;  // any q dtype: q is widened to float32 first
 #else
   constexpr bool kFast = false;
+  constexpr bool kFastInt8 = false;
 #endif
   const int64_t group = heads / kv_heads;
   // Bounds are checked where the indices are read anyway (not in extra passes per layer);
@@ -169,6 +242,10 @@ void decode(const T* q, const S* k, const S* v, const at::Half* k_scale, const a
         scores_bf16_64(q + (b * heads + h * group) * 64, k, slots.data(), ctx, group, kv_heads, h, scale,
                        scores.data());
 #endif
+      } else if constexpr (kFastInt8) {
+#ifdef QUANTPIPE_AVX512_BF16
+        scores_int8_64(qf.data(), k, k_scale, slots.data(), ctx, group, kv_heads, h, scores.data());
+#endif
       } else {
         for (int64_t t = 0; t < ctx; ++t) {
           const S* kr = k + (slots[t] * kv_heads + h) * dim;
@@ -195,6 +272,10 @@ void decode(const T* q, const S* k, const S* v, const at::Half* k_scale, const a
       if constexpr (kFast) {
 #ifdef QUANTPIPE_AVX512_BF16
         weighted_v_bf16_64(scores.data(), v, slots.data(), ctx, group, kv_heads, h, acc.data());
+#endif
+      } else if constexpr (kFastInt8) {
+#ifdef QUANTPIPE_AVX512_BF16
+        weighted_v_int8_64(scores.data(), v, v_scale, slots.data(), ctx, group, kv_heads, h, acc.data());
 #endif
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
