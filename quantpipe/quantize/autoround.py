@@ -4,8 +4,8 @@ Each quantized Linear of a decoder layer gets a rounding offset v in [-0.5, 0.5]
 weight and two range factors in [0.5, 1] per output row and group, one for each end of
 the group's range (a symmetric grid uses the full signed range: `LearnedGrid`). They start
 at round-to-nearest on the group's whole range (v = 0, factors 1) and are learned
-together by sign-gradient descent on the layer's output error: the layer with its current quantized weights, fed the quantized model's
-activations, against the unquantized layer's output on the unquantized model's
+together by sign-gradient descent on the layer's output error: the layer with its
+current quantized weights, fed the quantized model's activations, against the unquantized layer's output on the unquantized model's
 activations, as a mean squared difference over a mini-batch of calibration sequences.
 Rounding passes gradients straight through. The step size decays linearly to 0, and the
 step with the least mini-batch loss is kept, as auto-round does.

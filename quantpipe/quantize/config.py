@@ -18,8 +18,8 @@ METHODS = ("rtn", "gptq", "awq", "autoround")
 GROUP_SIZES = (32, 64, 128)
 CLIPS = ("minmax", "mse")
 KV_CACHES = ("none", "int8", "fp8")
-KV_STRATEGIES = ("token", "channel")
-LEARN_DTYPES = ("auto", "bfloat16", "float32")  # autoround's steps; auto: bfloat16 where the CPU has native bf16  # dynamic per token and KV head; static per KV head and channel
+KV_STRATEGIES = ("token", "channel")  # dynamic per token and KV head; static per KV head and channel
+LEARN_DTYPES = ("auto", "bfloat16", "float32")  # autoround's steps; auto: bfloat16 where the CPU has native bf16
 
 
 @dataclass
@@ -191,7 +191,8 @@ class QuantConfig:
 # The type each field takes from plain data (YAML): ints are accepted where floats are.
 _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "clip": str,
           "dampening": (int, float), "block_size": int, "act_order": bool, "iters": int, "batch_size": int,
-          "learn_dtype": str, "calib_samples": int, "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str, "smoothquant_alpha": (int, float),
+          "learn_dtype": str, "calib_samples": int, "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str,
+          "smoothquant_alpha": (int, float),
           "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
           "kv_cache_strategy": str, "calibrate_all_experts": bool}
 _OPTIONAL = {"group_size", "clip", "smoothquant_alpha", "bits_budget"}  # null is a value of these

@@ -38,6 +38,7 @@ affected).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -65,9 +66,11 @@ def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.
     return 2 * num_layers * kv_heads * per_head
 
 
+@functools.cache
 def hadamard(n: int) -> torch.Tensor | None:
     """The normalized Sylvester Hadamard matrix [n, n] (symmetric, orthonormal), float32;
-    None where n is not a power of two."""
+    None where n is not a power of two. Built once per size and shared (never written to):
+    every layer's cache, and every scratch cache a scoring pass makes, takes the same one."""
     if n < 1 or n & (n - 1):
         return None
     h = torch.ones(1, 1)
@@ -119,14 +122,16 @@ class QuantizedKVCache:
 
     def _quantize(self, x: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(values, the fp16 scale per token and KV head or None with static scales)."""
+        xf = x.float()
         grid_max = 127.0 if self.kind == "int8" else _FP8_MAX
         if self.static is not None:  # symmetric on the calibrated grid; values past it saturate
             scale, s = None, self.static[i]
         else:  # round with the stored (fp16) scale so the read inverts exactly this step
-            scale = (x.float().abs().amax(-1) / grid_max).clamp_min(SCALE_FLOOR).half()
+            scale = (xf.abs().amax(-1) / grid_max).clamp_min(SCALE_FLOOR).half()
             s = scale.float()[..., None]
-        y = (x.float() / s).clamp_(-grid_max, grid_max)
-        return (torch.round(y).to(torch.int8) if self.kind == "int8" else y.to(torch.float8_e4m3fn).view(torch.uint8)), scale
+        y = (xf / s).clamp_(-grid_max, grid_max)
+        q = torch.round(y).to(torch.int8) if self.kind == "int8" else y.to(torch.float8_e4m3fn).view(torch.uint8)
+        return q, scale
 
     def _dequantize(self, q: torch.Tensor, scale: torch.Tensor | None, i: int) -> torch.Tensor:
         x = q.float() if self.kind == "int8" else q.view(torch.float8_e4m3fn).float()

@@ -82,48 +82,14 @@ void scores_bf16_64(const c10::BFloat16* q, const c10::BFloat16* k, const int64_
   }
 }
 
-// acc[g * 64 + d] = sum_t p[g * ctx + t] * v_t[d] for GN query heads, float32; GN * 4
-// accumulators stay in registers.
-template <int GN>
-void weighted_v_tile(const float* p, const c10::BFloat16* v, const int64_t* slots, int64_t ctx, int64_t kv_heads,
-                     int64_t h, float* acc) {
-  __m512 a[GN][4];
-  for (int i = 0; i < GN; ++i)
-    for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < ctx; ++t) {
-    const c10::BFloat16* vr = v + (slots[t] * kv_heads + h) * 64;
-    __m512 row[4];
-    for (int j = 0; j < 4; ++j) row[j] = bf16_to_f32(vr + 16 * j);
-    for (int i = 0; i < GN; ++i) {
-      const __m512 pi = _mm512_set1_ps(p[i * ctx + t]);
-      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(pi, row[j], a[i][j]);
-    }
-  }
-  for (int i = 0; i < GN; ++i)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + i * 64 + 16 * j, a[i][j]);
-}
-
-void weighted_v_bf16_64(const float* p, const c10::BFloat16* v, const int64_t* slots, int64_t ctx, int64_t group,
-                        int64_t kv_heads, int64_t h, float* acc) {
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
-    const float* pg = p + g0 * ctx;
-    float* ag = acc + g0 * 64;
-    switch (std::min<int64_t>(4, group - g0)) {
-      case 1: weighted_v_tile<1>(pg, v, slots, ctx, kv_heads, h, ag); break;
-      case 2: weighted_v_tile<2>(pg, v, slots, ctx, kv_heads, h, ag); break;
-      case 3: weighted_v_tile<3>(pg, v, slots, ctx, kv_heads, h, ag); break;
-      default: weighted_v_tile<4>(pg, v, slots, ctx, kv_heads, h, ag); break;
-    }
-  }
-}
-
-// Dynamic INT8 caches with head_dim 64, the same tiling: 16 int8 values widened to float32
-// per vector, each token's fp16 scale applied to its 16-token tile of sums (K) or to its
-// probability (V).
-inline __m512 int8_to_f32(const int8_t* p) {  // 16 values
+// 16 values widened to float32: bf16 (the model dtype) or int8 (a dynamic INT8 cache).
+inline __m512 load16(const c10::BFloat16* p) { return bf16_to_f32(p); }
+inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Dynamic INT8 caches with head_dim 64, tiled as scores_bf16_64: each token's fp16 scale is
+// applied to its tile's sums.
 // scores[g * ctx + t] = k_scale_t * qf_g . k_t, qf in float32 and already times the softmax scale.
 void scores_int8_64(const float* qf, const int8_t* k, const at::Half* k_scale, const int64_t* slots, int64_t ctx,
                     int64_t group, int64_t kv_heads, int64_t h, float* scores) {
@@ -138,8 +104,8 @@ void scores_int8_64(const float* qf, const int8_t* k, const at::Half* k_scale, c
         if (i < n) {
           const int64_t at = slots[t0 + i] * kv_heads + h;
           const int8_t* kr = k + at * 64;
-          __m512 a = _mm512_mul_ps(qv[0], int8_to_f32(kr));
-          for (int j = 1; j < 4; ++j) a = _mm512_fmadd_ps(qv[j], int8_to_f32(kr + 16 * j), a);
+          __m512 a = _mm512_mul_ps(qv[0], load16(kr));
+          for (int j = 1; j < 4; ++j) a = _mm512_fmadd_ps(qv[j], load16(kr + 16 * j), a);
           acc[i] = a;
           ks[i] = static_cast<float>(k_scale[at]);
         } else {
@@ -153,20 +119,25 @@ void scores_int8_64(const float* qf, const int8_t* k, const at::Half* k_scale, c
   }
 }
 
-template <int GN>
-void weighted_v_int8_tile(const float* p, const int8_t* v, const at::Half* v_scale, const int64_t* slots,
-                          int64_t ctx, int64_t kv_heads, int64_t h, float* acc) {
+// acc[g * 64 + d] = sum_t p[g * ctx + t] * v_t[d] for GN query heads, float32; GN * 4
+// accumulators stay in registers. S: bf16 values, or int8 ones whose fp16 scale per token
+// (v_scale) is folded into that token's probability.
+template <int GN, typename S>
+void weighted_v_tile(const float* p, const S* v, const at::Half* v_scale, const int64_t* slots, int64_t ctx,
+                     int64_t kv_heads, int64_t h, float* acc) {
+  constexpr bool kScaled = std::is_same_v<S, int8_t>;
   __m512 a[GN][4];
   for (int i = 0; i < GN; ++i)
     for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < ctx; ++t) {
     const int64_t at = slots[t] * kv_heads + h;
-    const int8_t* vr = v + at * 64;
-    const float vs = static_cast<float>(v_scale[at]);
+    const S* vr = v + at * 64;
+    float vs = 1.f;
+    if constexpr (kScaled) vs = static_cast<float>(v_scale[at]);
     __m512 row[4];
-    for (int j = 0; j < 4; ++j) row[j] = int8_to_f32(vr + 16 * j);
+    for (int j = 0; j < 4; ++j) row[j] = load16(vr + 16 * j);
     for (int i = 0; i < GN; ++i) {
-      const __m512 pi = _mm512_set1_ps(p[i * ctx + t] * vs);
+      const __m512 pi = _mm512_set1_ps(kScaled ? p[i * ctx + t] * vs : p[i * ctx + t]);
       for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(pi, row[j], a[i][j]);
     }
   }
@@ -174,16 +145,17 @@ void weighted_v_int8_tile(const float* p, const int8_t* v, const at::Half* v_sca
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + i * 64 + 16 * j, a[i][j]);
 }
 
-void weighted_v_int8_64(const float* p, const int8_t* v, const at::Half* v_scale, const int64_t* slots, int64_t ctx,
-                        int64_t group, int64_t kv_heads, int64_t h, float* acc) {
+template <typename S>
+void weighted_v_64(const float* p, const S* v, const at::Half* v_scale, const int64_t* slots, int64_t ctx,
+                   int64_t group, int64_t kv_heads, int64_t h, float* acc) {
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const float* pg = p + g0 * ctx;
     float* ag = acc + g0 * 64;
     switch (std::min<int64_t>(4, group - g0)) {
-      case 1: weighted_v_int8_tile<1>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
-      case 2: weighted_v_int8_tile<2>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
-      case 3: weighted_v_int8_tile<3>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
-      default: weighted_v_int8_tile<4>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
+      case 1: weighted_v_tile<1>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
+      case 2: weighted_v_tile<2>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
+      case 3: weighted_v_tile<3>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
+      default: weighted_v_tile<4>(pg, v, v_scale, slots, ctx, kv_heads, h, ag); break;
     }
   }
 }
@@ -269,13 +241,9 @@ void decode(const T* q, const S* k, const S* v, const at::Half* k_scale, const a
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < ctx; ++t) sg[t] *= inv;
       }
-      if constexpr (kFast) {
+      if constexpr (kFast || kFastInt8) {
 #ifdef QUANTPIPE_AVX512_BF16
-        weighted_v_bf16_64(scores.data(), v, slots.data(), ctx, group, kv_heads, h, acc.data());
-#endif
-      } else if constexpr (kFastInt8) {
-#ifdef QUANTPIPE_AVX512_BF16
-        weighted_v_int8_64(scores.data(), v, v_scale, slots.data(), ctx, group, kv_heads, h, acc.data());
+        weighted_v_64(scores.data(), v, v_scale, slots.data(), ctx, group, kv_heads, h, acc.data());
 #endif
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
