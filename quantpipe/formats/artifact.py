@@ -26,6 +26,7 @@ kernels build, eval, gate and publish all go through it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from quantpipe.manifest import StageError, sha256_bytes, sha256_file, write_json
 MANIFEST = "quantpipe.json"
 NOT_MODEL_FILES = (MANIFEST, "kernels.json")
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "mixed-precision")
 
 
@@ -250,13 +252,91 @@ def kv_scale_tensors(scales: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[st
             for i, pair in enumerate(scales) for t, s in zip(("k_scale", "v_scale"), pair)}
 
 
-def write_checkpoint(folder: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    """The checkpoint files: the tensors and config.json (with its quantization_config)."""
-    from safetensors.torch import save_file
+DEFAULT_MAX_SHARD_BYTES = 5 * 1000 ** 3  # "5GB", transformers' save_pretrained default
 
-    validate(config["quantization_config"])
-    save_file(tensors, str(Path(folder) / WEIGHTS_FILE), metadata={"format": "pt"})
-    (Path(folder) / "config.json").write_text(json.dumps(config, indent=2))
+
+class CheckpointWriter:
+    """A checkpoint's weights written as they are computed, in groups (one decoder layer's
+    tensors, say) that are never split across files: a group joins the pending shard unless
+    that would take it past `max_shard_bytes`, in which case the pending shard is written
+    first. One shard is model.safetensors; more are model-0000i-of-0000n.safetensors with
+    model.safetensors.index.json, as transformers' save_pretrained writes them. The same
+    groups in the same order give the same files, whether a model was quantized whole or
+    streamed one layer at a time; at most one shard (or one larger group) is held in memory."""
+
+    def __init__(self, folder: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        self.folder = Path(folder)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if len(tensors) == 1 and size > self.max_shard_bytes:
+            (name, t), = tensors.items()
+            self.add_rows(name, list(t.shape), t.dtype, lambda: iter([t]))
+            return
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending.update(tensors)
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def add_rows(self, name: str, shape: list[int], dtype: torch.dtype, chunks) -> None:
+        """One tensor given as `chunks()`, an iterator over its row ranges in order. Larger than a
+        shard, it is written alone to a file of its own as the ranges arrive (an embedding
+        larger than memory never is whole in it); otherwise it joins the pending shard."""
+        item = torch.empty(0, dtype=dtype).element_size()
+        size = item * math.prod(shape)
+        if size <= self.max_shard_bytes:
+            self.add({name: torch.cat(list(chunks())).reshape(shape)})
+            return
+        if self._pending:
+            self._flush()
+        header = {"__metadata__": {"format": "pt"},
+                  name: {"dtype": _SAFETENSORS_NAMES[dtype], "shape": shape, "data_offsets": [0, size]}}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        f = self.folder / f".shard-{len(self._shards)}.tmp"
+        written = 0
+        with open(f, "wb") as fh:
+            fh.write(len(raw).to_bytes(8, "little") + raw)
+            for c in chunks():
+                data = c.contiguous().view(torch.uint8).numpy()
+                fh.write(memoryview(data).cast("B"))
+                written += data.nbytes
+        if written != size:
+            raise ValueError(f"tensor {name!r}: its row ranges gave {written} bytes, its shape {shape} needs {size}")
+        self._shards.append((f, [name]))
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        f = self.folder / f".shard-{len(self._shards)}.tmp"
+        save_file(self._pending, str(f), metadata={"format": "pt"})
+        self._shards.append((f, sorted(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self, config: dict) -> None:
+        """Write the last shard, name the shards, and write config.json (with its quantization_config)."""
+        validate(config["quantization_config"])
+        if self._pending or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        if n == 1:
+            os.replace(self._shards[0][0], self.folder / WEIGHTS_FILE)
+        else:
+            weight_map = {}
+            for i, (f, names) in enumerate(self._shards, 1):
+                name = f"model-{i:05d}-of-{n:05d}.safetensors"
+                os.replace(f, self.folder / name)
+                weight_map.update(dict.fromkeys(names, name))
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (self.folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def seal(folder: str | os.PathLike, manifest: dict) -> dict:
@@ -283,7 +363,41 @@ def read_config(path: str | os.PathLike) -> dict:
     return config
 
 
-INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
+
+def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """A model folder's safetensors files, and its index's tensor -> file map when it has one."""
+    weight_map = _read_index(path / INDEX_FILE) if (path / INDEX_FILE).exists() else None
+    if weight_map is not None:
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{path / INDEX_FILE}: names shard {missing[0].name}, which is not in the folder")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(path)!r} has no *.safetensors files")
+    return files, weight_map
+
+
+def _tensor_files(files: list[Path], names_of, weight_map: dict[str, str] | None) -> dict[str, Path]:
+    """tensor name -> the file holding it, checked against the index (or, without one, against
+    every other file): `names_of(f)` lists the tensors file f holds."""
+    where: dict[str, Path] = {}
+    for f in files:
+        for name in names_of(f):
+            if weight_map is not None and weight_map.get(name) != f.name:
+                raise ValueError(f"{f}: holds tensor {name!r}, which {INDEX_FILE} maps to "
+                                 f"{weight_map.get(name) or 'no shard'}")
+            if name in where:
+                raise ValueError(f"{f}: tensor {name!r} is also in another *.safetensors file of the folder "
+                                 f"(and there is no {INDEX_FILE} to say which is meant)")
+            where[name] = f
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(where))
+        if absent:
+            raise ValueError(f"{files[0].parent / INDEX_FILE}: maps tensor {absent[0]!r} to "
+                             f"{weight_map[absent[0]]}, which does not hold it")
+    return where
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -297,36 +411,95 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tens
 
     path = Path(path)
     config = read_config(path)
-    weight_map = _read_index(path / INDEX_FILE) if (path / INDEX_FILE).exists() else None
-    if weight_map is not None:
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"{path / INDEX_FILE}: names shard {missing[0].name}, which is not in the folder")
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model folder {str(path)!r} has no *.safetensors files")
-    state: dict[str, torch.Tensor] = {}
+    files, weight_map = _checkpoint_files(path)
+    loaded: dict[Path, dict[str, torch.Tensor]] = {}
     for f in files:
         try:
-            tensors = load_file(f)
+            loaded[f] = load_file(f)
         except SafetensorError as e:
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
-        for name, t in tensors.items():
-            if weight_map is not None and weight_map.get(name) != f.name:
-                raise ValueError(f"{f}: holds tensor {name!r}, which {INDEX_FILE} maps to "
-                                 f"{weight_map.get(name) or 'no shard'}")
-            if name in state:
-                raise ValueError(f"{f}: tensor {name!r} is also in another *.safetensors file of the folder "
-                                 f"(and there is no {INDEX_FILE} to say which is meant)")
-            state[name] = t
-    if weight_map is not None:
-        absent = sorted(set(weight_map) - set(state))
-        if absent:
-            raise ValueError(f"{path / INDEX_FILE}: maps tensor {absent[0]!r} to {weight_map[absent[0]]}, "
-                             "which does not hold it")
-    return config, state
+    where = _tensor_files(files, lambda f: loaded[f].keys(), weight_map)
+    return config, {name: loaded[f][name] for name, f in where.items()}
+
+
+class CheckpointReader:
+    """A model folder's tensors read one at a time, for models larger than memory: each read
+    copies the tensor (or a range of its rows) from its file into memory of its own with plain
+    reads, so no file is mapped and only what was asked for is resident. The same checks as
+    `load_checkpoint`, on each file's safetensors header."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.config = read_config(self.path)
+        files, weight_map = _checkpoint_files(self.path)
+        self._entries: dict[str, tuple[Path, int, str, list[int]]] = {}  # name -> (file, offset, dtype, shape)
+
+        def names_of(f: Path) -> list[str]:
+            entries = _safetensors_header(f)
+            self._entries.update({n: (f, *e) for n, e in entries.items()})
+            return list(entries)
+
+        self._where = _tensor_files(files, names_of, weight_map)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> list[int]:
+        return self._entries[name][3]
+
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` as stored (its rows [a, b) only, when given)."""
+        f, offset, dtype, shape = self._entries[name]
+        torch_dtype, item = _SAFETENSORS_DTYPES[dtype]
+        a, b = rows if rows is not None else (0, shape[0] if shape else 1)
+        row = item * math.prod(shape[1:])
+        out = torch.empty([b - a, *shape[1:]] if shape else [], dtype=torch_dtype)
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        with open(f, "rb") as fh:
+            fh.seek(offset + a * row)
+            if fh.readinto(view) != len(view):
+                raise ValueError(f"{f}: tensor {name!r} runs past the end of the file")
+        return out
+
+
+def _safetensors_header(f: Path) -> dict[str, tuple[int, str, list[int]]]:
+    """A safetensors file's tensors: name -> (offset of its data in the file, dtype, shape),
+    each checked against the file's size; errors name the file."""
+    try:
+        with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            raw = fh.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 0 < n <= min(size - 8, 100 * 1024 ** 2):
+                raise ValueError(f"{f}: not a readable safetensors file (header length {n} in a {size}-byte file)")
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        raise ValueError(f"{f}: not readable ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: not a readable safetensors file (its header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{f}: not a readable safetensors file (its header is not a JSON object)")
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+            item = _SAFETENSORS_DTYPES[dtype][1]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{f}: tensor {name!r} has a malformed header entry {info!r}") from None
+        if end - start != item * math.prod(shape) or not 0 <= start <= end <= size - 8 - n:
+            raise ValueError(f"{f}: tensor {name!r} has data offsets {[start, end]} that do not match its shape "
+                             f"{shape} and {dtype} or the file's {size} bytes")
+        out[name] = (8 + n + start, dtype, shape)
+    return out
+
+
+_SAFETENSORS_DTYPES = {"F64": (torch.float64, 8), "I64": (torch.int64, 8), "F32": (torch.float32, 4),
+                       "I32": (torch.int32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
+                       "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
+                       "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1)}
+_SAFETENSORS_NAMES = {dtype: name for name, (dtype, _) in _SAFETENSORS_DTYPES.items()}
 
 
 def _read_index(f: Path) -> dict[str, str]:

@@ -53,16 +53,24 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTY
                    "ones routed to it")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="scales and unquantized tensors")
+@click.option("--max-memory", default=None, metavar="SIZE",
+              help="quantize one decoder layer at a time within this resident memory (e.g. 12GB, 1536MiB), "
+                   "for models larger than memory: rtn, gptq and awq; the same artifact as without it")
+@click.option("--max-shard-size", default=None, metavar="SIZE",
+              help="largest safetensors file of the artifact [default: 5GB; with --max-memory at most 1/8 of it]")
 @click.option("--out", required=True, help="artifact folder (written only when complete)")
 @click.option("--overwrite", is_flag=True, help="replace an existing --out folder")
-def quantize_command(model, calib, out, overwrite, sensitivity_from, **options) -> int:
+def quantize_command(model, calib, out, overwrite, sensitivity_from, max_memory, max_shard_size, **options) -> int:
     from quantpipe.quantize.stage import quantize
+    from quantpipe.quantize.stream import parse_size
 
     if options.pop("no_smoothquant"):
         options["smoothquant_alpha"] = None
     try:
         cfg = QuantConfig(**options)
-        art = quantize(model, cfg, calib, out, overwrite=overwrite, sensitivity_from=sensitivity_from)
+        sizes = {k: None if v is None else parse_size(v, f"--{k.replace('_', '-')}")
+                 for k, v in (("max_memory", max_memory), ("max_shard_size", max_shard_size))}
+        art = quantize(model, cfg, calib, out, overwrite=overwrite, sensitivity_from=sensitivity_from, **sizes)
     except StageError as e:
         click.echo(f"quantpipe quantize: {e}", err=True)
         return 2

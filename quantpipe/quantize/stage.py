@@ -9,11 +9,12 @@ them unfused under the source checkpoint's names, as vLLM expects.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import re
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,14 @@ import numpy as np
 import torch
 
 from quantpipe.formats.artifact import (
+    DEFAULT_MAX_SHARD_BYTES,
+    CheckpointWriter,
     QuantWeight,
     kv_scale_tensors,
     model_sha256,
     quantized_tensors,
     read_manifest,
     seal,
-    write_checkpoint,
 )
 from quantpipe.formats.calib_set import CalibSet
 from quantpipe.manifest import (
@@ -43,6 +45,18 @@ from quantpipe.quantize import autoround, awq
 from quantpipe.quantize.config import QuantConfig
 from quantpipe.quantize.gptq import HessianError, gptq
 from quantpipe.quantize.rtn import WeightScheme, rtn
+from quantpipe.quantize.stream import (
+    Activations,
+    MemoryPlan,
+    ResidentLayers,
+    StreamedLayers,
+    map_large_allocations,
+    mib,
+    plan_memory,
+    reset_peak,
+    resident_bytes,
+    spill_folder,
+)
 from quantpipe.runtime.model.config import checkpoint_name, fused_linears, routers
 from quantpipe.runtime.model.export import export_tokenizer, hf_config, hf_state_dict
 from quantpipe.runtime.model.forward import SequencePass
@@ -273,21 +287,28 @@ def _expert_report(cfg, i: int, routed: dict[str, int], all_experts: bool) -> di
             "hessian_tokens": "every token of the layer" if all_experts else "tokens routed to the expert"}
 
 
+@torch.no_grad()  # the weights are parameters: no autograd graph through the searches (they held 50x a weight)
 def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme | None], cfg: QuantConfig,
-               scale_dtype: torch.dtype) -> tuple[dict[str, QuantWeight], dict, dict]:
+               scale_dtype: torch.dtype, layers=ResidentLayers(), on_layer=None, spill: Path | None = None
+               ) -> tuple[dict[str, QuantWeight], dict, dict, dict]:
     """GPTQ or AWQ, layer by layer: each layer calibrates on inputs that already passed the
     quantized layers before it, and only one layer's activations are held at a time.
 
-    Returns the quantized weights, the dampening GPTQ used per Linear, and AWQ's scale search per Linear.
+    `layers` reads each decoder layer in before its turn and releases it after (streamed),
+    `on_layer(i, weights)` takes its quantized weights as it is done, and `spill` is a folder
+    that holds the activations between layers instead of memory.
+    Returns the quantized weights, the dampening GPTQ used per Linear, AWQ's scale search per
+    Linear, and the experts' token counts per layer.
     """
     passes = [SequencePass(model, ids) for ids in samples]
     with torch.inference_mode():
-        xs = [p.embed() for p in passes]
+        xs = Activations((p.embed() for p in passes), spill)
     out: dict[str, QuantWeight] = {}
     damp_used: dict[str, float] = {}
     awq_found: dict[str, dict] = {}
     experts: dict[str, dict] = {}
     for i, layer in enumerate(model.layers):
+        layers.load(i)
         mods = {n: layer.get_submodule(n) for n, _ in fused_linears(model.config, i) if schemes.get(f"layers.{i}.{n}")}
         hs, routed = _layer_hessians(i, mods, passes, xs, layer, cfg.calibrate_all_experts)
         report = _expert_report(model.config, i, routed, cfg.calibrate_all_experts)
@@ -322,13 +343,31 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
             out[name] = qw
             with torch.no_grad():  # later layers calibrate on this layer's quantized outputs
                 mod.weight.copy_(qw.dequantize(mod.weight.dtype))
+        del hs
         with torch.inference_mode():
-            xs = [p.layer(i, x) for p, x in zip(passes, xs)]
+            xs = xs.replace(p.layer(i, x) for p, x in zip(passes, xs))
+        if on_layer is not None:  # the layer's weights go to the artifact now and are not kept
+            on_layer(i, {n: out.pop(f"layers.{i}.{n}") for n in mods})
+        layers.free(i)
         log.info("%s layer %d/%d done", cfg.method.upper(), i + 1, len(model.layers))
-    if schemes.get("lm_head"):
-        sch = schemes["lm_head"]
-        out["lm_head"] = _rtn(model.lm_head.weight, sch, scale_dtype)
     return out, damp_used, awq_found, experts
+
+
+@torch.no_grad()
+def _rtn_layers(model, schemes: dict[str, WeightScheme | None], cfg: QuantConfig, scale_dtype: torch.dtype,
+                layers=ResidentLayers(), on_layer=None) -> dict[str, QuantWeight]:
+    """Round to nearest, decoder layer by decoder layer (read in and released by `layers`)."""
+    out: dict[str, QuantWeight] = {}
+    for i, layer in enumerate(model.layers):
+        layers.load(i)
+        done = {n: _rtn(layer.get_submodule(n).weight, schemes[f"layers.{i}.{n}"], scale_dtype, cfg.clip)
+                for n, _ in fused_linears(model.config, i) if schemes.get(f"layers.{i}.{n}")}
+        if on_layer is not None:  # the layer's weights go to the artifact now and are not kept
+            on_layer(i, done)
+        else:
+            out.update({f"layers.{i}.{n}": qw for n, qw in done.items()})
+        layers.free(i)
+    return out
 
 
 def _autoround_layers(model, samples: list[list[int]], schemes: dict[str, WeightScheme | None], cfg: QuantConfig,
@@ -374,34 +413,160 @@ def _autoround_layers(model, samples: list[list[int]], schemes: dict[str, Weight
     finally:
         for p in trainable:
             p.requires_grad_(True)
-    if schemes.get("lm_head"):
-        out["lm_head"] = _rtn(model.lm_head.weight, schemes["lm_head"], scale_dtype)
     return out, report
 
 
+class _Checkpoint:
+    """The artifact's tensors, written group by group as they are ready: the embeddings, each
+    decoder layer, lm_head, then the final norm (and static KV scales). Both paths (whole model, streamed) write
+    the same groups in the same order, so they write the same files."""
+
+    def __init__(self, folder: Path, net, scheme_map: dict, fmt: str, scale_dtype: torch.dtype,
+                 max_shard_bytes: int, damp_used: dict, awq_found: dict):
+        self.writer = CheckpointWriter(folder, max_shard_bytes)
+        self.net, self.scheme_map, self.fmt, self.dtype = net, scheme_map, fmt, scale_dtype
+        self.damp_used, self.awq_found = damp_used, awq_found
+        self.layers_table: dict[str, dict] = {}
+        self.by_scheme: dict[WeightScheme, list[str]] = {}
+        self.quant_bytes = self.bf16_bytes = 0
+
+    def add(self, prefix, quantized: dict[str, QuantWeight], extra: dict[str, torch.Tensor] | None = None) -> None:
+        """Our tensors whose names start with `prefix` (the net's, in the artifact dtype) with the
+        Linears in `quantized` (our names) in the artifact's format, plus `extra` (checkpoint
+        names, as they are), as one group."""
+        state = {k: v.to(self.dtype) for k, v in hf_state_dict(self.net, prefix).items()}
+        state.update(extra or {})
+        for name, qw in quantized.items():
+            parts = _hf_parts(self.net, name)
+            sizes = [s if s is not None else qw.q.shape[0] for _, s in parts]
+            for (hf_name, _), part in zip(parts, _split_rows(qw, sizes)):
+                state.pop(hf_name + ".weight", None)
+                tensors = quantized_tensors(hf_name, part, self.fmt, self.dtype)
+                state.update(tensors)
+                self.quant_bytes += sum(t.numel() * t.element_size() for k, t in tensors.items()
+                                        if not k.endswith("weight_shape"))
+                self.bf16_bytes += 2 * part.q.numel()
+                self.layers_table[hf_name] = {"scheme": self.scheme_map[name].describe(), "shape": list(part.q.shape),
+                                              "dampening": self.damp_used.get(name)}
+                if name in self.awq_found:
+                    self.layers_table[hf_name]["awq"] = self.awq_found[name]
+                self.by_scheme.setdefault(self.scheme_map[name], []).append(hf_name)
+        self.writer.add(state)
+
+    def add_layer(self, i: int, quantized: dict[str, QuantWeight]) -> None:
+        """Decoder layer i; `quantized` by the layer's local names."""
+        self.add(f"layers.{i}.", {f"layers.{i}.{n}": qw for n, qw in quantized.items()})
+
+
+def _copy_rows(ckpt: _Checkpoint, lazy, name: str, hf_name: str, chunk_bytes: int = 64 * 1024 ** 2) -> None:
+    """An unquantized matrix (the embeddings, lm_head) from the source into the checkpoint, read
+    in row ranges and converted range by range: never whole in float32, and never whole at all
+    when it is larger than a shard."""
+    rows, cols = lazy.shape(name)
+    step = max(1, chunk_bytes // (4 * cols))
+
+    def chunks():
+        for a in range(0, rows, step):
+            yield lazy.get(name, ckpt.dtype, rows=(a, min(rows, a + step)))
+            lazy.release()
+
+    ckpt.writer.add_rows(hf_name, [rows, cols], ckpt.dtype, chunks)
+
+
+def _compact_embedding(net, lazy, samples: list[list[int]], chunk_bytes: int = 64 * 1024 ** 2) -> list[list[int]]:
+    """Streamed calibration: the embedding holds only the rows of the tokens in `samples`
+    (float32, read in row ranges); returns the samples renumbered into those rows."""
+    used = sorted({t for s in samples for t in s})
+    rows, cols = lazy.shape("embed_tokens.weight")
+    index = torch.tensor(used, dtype=torch.long)
+    compact = torch.empty(len(used), cols)
+    step = max(1, chunk_bytes // (4 * cols))
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        lo, hi = torch.searchsorted(index, a), torch.searchsorted(index, b)
+        if hi > lo:
+            compact[lo:hi] = lazy.get("embed_tokens.weight", rows=(a, b))[index[lo:hi] - a]
+    lazy.release()
+    net.embed_tokens.weight = torch.nn.Parameter(compact, requires_grad=False)
+    renumber = {t: k for k, t in enumerate(used)}
+    return [[renumber[t] for t in s] for s in samples]
+
+
+STREAMED_METHODS = ("rtn", "gptq", "awq")
+
+
+def _streamable(cfg: QuantConfig) -> None:
+    """Refuse what layer-streamed quantization does not do yet, before any file is read."""
+    if cfg.method not in STREAMED_METHODS:
+        raise StageError(f"--max-memory (layer-streamed quantization) takes method {', '.join(STREAMED_METHODS)}; "
+                         f"got {cfg.method}")
+    why = ("mixed precision (its sensitivities need the whole model's output)" if cfg.scheme == "mixed" else
+           "SmoothQuant (use --no-smoothquant)" if cfg.scheme == "W8A8" and cfg.smoothquant_alpha is not None else
+           "static KV cache scales (use --kv-cache-strategy token)"
+           if cfg.kv_cache != "none" and cfg.kv_cache_strategy == "channel" else None)
+    if why:
+        raise StageError(f"--max-memory (layer-streamed quantization) does not take {why} yet")
+
+
+def _memory_plan(net, mcfg, names: list[str], samples: list[list[int]], cfg: QuantConfig, budget: int,
+                 shard_bytes: int, scale_dtype: torch.dtype, lazy) -> MemoryPlan:
+    """What the streamed run will hold at its peak (stream.plan_memory checks it against the budget)."""
+    layer_bytes = max(sum(4 * p.numel() for p in layer.parameters()) for layer in net.layers)
+    linears = [net.get_submodule(n) for n in names if n != "lm_head"]
+    largest = max(4 * m.weight.numel() for m in linears)
+    hess = 0
+    if cfg.method in ("gptq", "awq"):
+        hess = max(sum(12 * net.get_submodule(f"layers.{i}.{n}").in_features ** 2 for n, _ in fused_linears(mcfg, i))
+                   for i in range(mcfg.num_layers))
+    activations = 4 * mcfg.hidden_size * sum(map(len, samples)) if cfg.method != "rtn" else 0
+    # The checkpoint shard being filled (a decoder layer larger than a shard is held alone); the
+    # embeddings and lm_head go through in ranges of 64 MiB unless lm_head is rounded whole.
+    item = torch.empty(0, dtype=scale_dtype).element_size()
+    held = [shard_bytes, max(item * sum(p.numel() for p in layer.parameters()) for layer in net.layers)]
+    held.append(64 * 1024 ** 2 + (4 * math.prod(lazy.shape("lm_head.weight")) if "lm_head" in names else 0))
+    return plan_memory(budget, layer_bytes, largest, hess, activations, max(1, len(samples)), max(held))
+
+
 def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, overwrite: bool = False,
-             calib_token_ids: list[list[int]] | None = None, sensitivity_from: str | None = None) -> Artifact:
+             calib_token_ids: list[list[int]] | None = None, sensitivity_from: str | None = None,
+             max_memory: int | None = None, max_shard_size: int | None = None) -> Artifact:
     """Quantize `model` (GGUF, HF folder, or None for the default model) into the artifact folder `out`.
 
     `calib` is a `quantpipe calibrate` folder or a text file; `calib_token_ids` gives token
     sequences directly instead (for models without a tokenizer). `sensitivity_from`, an
     earlier mixed-precision artifact: its sensitivity table is reused when it was measured on
     the same model, probe sequences and precisions (its manifest says so), else measured again.
+    `max_memory` (bytes): quantize one decoder layer at a time within this resident memory
+    (stream.py), for models larger than memory. `max_shard_size` (bytes): the largest
+    safetensors file written [default 5 GB; streamed: also at most max_memory / 8].
     """
-    from quantpipe.runtime.model.loader import load_model, resolve_model_path
+    from quantpipe.runtime.model.loader import load_model, open_lazy, resolve_model_path, skeleton
 
     t_start = time.perf_counter()
     phases: dict[str, float] = {}
     if Path(out).exists() and not overwrite:
         raise StageError(f"--out {out} already exists (pass --overwrite to replace it)")
+    streamed = max_memory is not None
+    if streamed:
+        _streamable(cfg)
+        map_large_allocations()
+        reset_peak()
+    if max_shard_size is None:
+        max_shard_size = DEFAULT_MAX_SHARD_BYTES if not streamed else min(DEFAULT_MAX_SHARD_BYTES, max_memory // 8)
     earlier = None
     if sensitivity_from is not None:
         if cfg.scheme != "mixed":
             raise StageError(f"--sensitivity-from applies to --scheme mixed only (got {cfg.scheme})")
         earlier = read_manifest(sensitivity_from, "--sensitivity-from")
+    lazy = None
     try:
         src = resolve_model_path(model)
-        net, mcfg, tokenizer = load_model(model, torch.float32)
+        if streamed:
+            lazy = open_lazy(model)
+            mcfg, tokenizer = lazy.config, lazy.tokenizer
+            net = skeleton(mcfg)
+        else:
+            net, mcfg, tokenizer = load_model(model, torch.float32)
     except (ValueError, FileNotFoundError) as e:
         raise StageError(f"model: {e}") from None
     src_sha = model_sha256(src)
@@ -447,6 +612,12 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             raise StageError(f"model: {what} needs the model's tokenizer to encode the calibration texts")
         else:
             samples = _token_samples(texts, tokenizer, cfg)
+    if cfg.method in ("gptq", "awq"):
+        need = 2 * max(in_features)
+        got = sum(map(len, samples))
+        if got < need:
+            raise StageError(f"--calib {calib}: {got} calibration tokens; {cfg.method.upper()} needs at least {need} "
+                             f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
     kv_scales = None
     if static_kv:  # on the unquantized model, before any weight is changed
         from quantpipe.quantize.kv import static_kv_scales
@@ -486,89 +657,99 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
                        "chosen": {n: (s.describe() if s else "bf16") for n, s in scheme_map.items()}}
         phases["sensitivity_s"] = time.perf_counter() - t
         t = time.perf_counter()
-    if cfg.method in ("gptq", "awq"):
-        need = 2 * max(in_features)
-        got = sum(map(len, samples))
-        if got < need:
-            raise StageError(f"--calib {calib}: {got} calibration tokens; {cfg.method.upper()} needs at least {need} "
-                             f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
-        calib_info["samples"], calib_info["tokens"] = len(samples), got
-        quantized, damp_used, awq_found, experts = _layerwise(net, samples, scheme_map, cfg, scale_dtype)
-    elif cfg.method == "autoround":
-        calib_info["samples"], calib_info["tokens"] = len(samples), sum(map(len, samples))
-        quantized, rounding = _autoround_layers(net, samples, scheme_map, cfg, scale_dtype)
-    else:
-        quantized = {}
-        for n in names:
-            sch = scheme_map[n]
-            if sch is None:
-                continue
-            quantized[n] = _rtn(net.get_submodule(n).weight, sch, scale_dtype, cfg.clip)
-    phases["quantize_s"] = time.perf_counter() - t
-
-    # -- the checkpoint: unfused HF names, packed integers, scales in the artifact dtype ----
-    t = time.perf_counter()
-    state = {k: v.to(scale_dtype) for k, v in hf_state_dict(net).items()}
-    layers_table = {}
+    memory = None
+    if streamed:
+        plan = _memory_plan(net, mcfg, names, samples, cfg, max_memory, max_shard_size, scale_dtype, lazy)
+        memory = {"streamed": True, "max_memory_mib": mib(max_memory), "max_shard_mib": mib(max_shard_size),
+                  "plan": plan.describe()}
+        log.info("layer-streamed: plan %s", plan.describe())
     fmt = "int-quantized" if w8a8 else "pack-quantized"
-    hf_names_by_scheme: dict[WeightScheme, list[str]] = {}
-    kept = ([] if "lm_head" in names else ["lm_head"]) + ["model." + checkpoint_name(mcfg, r) for r in routers(mcfg)]
-    for name in names:
-        qw, sch = quantized.get(name), scheme_map[name]
-        if qw is None:
-            kept += [hf for hf, _ in _hf_parts(net, name)]
-            continue
-        parts = _hf_parts(net, name)
-        sizes = [s if s is not None else qw.q.shape[0] for _, s in parts]
-        for (hf_name, _), part in zip(parts, _split_rows(qw, sizes)):
-            state.pop(hf_name + ".weight", None)
-            state.update(quantized_tensors(hf_name, part, fmt, scale_dtype))
-            layers_table[hf_name] = {"scheme": sch.describe(), "shape": list(part.q.shape),
-                                     "dampening": damp_used.get(name)}
-            if name in awq_found:
-                layers_table[hf_name]["awq"] = awq_found[name]
-            hf_names_by_scheme.setdefault(sch, []).append(hf_name)
-    state.update(kv_scale_tensors(kv_scales or []))
-    act_args = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
-                "group_size": None, "observer": None} if w8a8 else None
+    with staged_output(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as scratch:
+        ckpt = _Checkpoint(tmp, net, scheme_map, fmt, scale_dtype, max_shard_size, damp_used, awq_found)
+        layers, on_layer, spill, run_samples = ResidentLayers(), None, None, samples
+        if streamed:
+            layers, on_layer = StreamedLayers(net, lazy, max_memory), ckpt.add_layer
+            _copy_rows(ckpt, lazy, "embed_tokens.weight", "model.embed_tokens.weight")
+            if samples:
+                run_samples = _compact_embedding(net, lazy, samples)
+            if plan.on_disk:
+                spill = Path(scratch.enter_context(spill_folder(out)))
+        if cfg.method in ("gptq", "awq"):
+            calib_info["samples"], calib_info["tokens"] = len(samples), sum(map(len, samples))
+            quantized, damp_used, awq_found, experts = _layerwise(net, run_samples, scheme_map, cfg, scale_dtype,
+                                                                  layers, on_layer, spill)
+            ckpt.damp_used, ckpt.awq_found = damp_used, awq_found
+        elif cfg.method == "autoround":
+            calib_info["samples"], calib_info["tokens"] = len(samples), sum(map(len, samples))
+            quantized, rounding = _autoround_layers(net, samples, scheme_map, cfg, scale_dtype)
+        else:
+            quantized = _rtn_layers(net, scheme_map, cfg, scale_dtype, layers, on_layer)
+        if streamed:
+            net.norm.load_state_dict({"weight": lazy.get("norm.weight")}, assign=True)
+            if "lm_head" in names:
+                net.lm_head.load_state_dict({"weight": lazy.get("lm_head.weight")}, assign=True)
+        if scheme_map.get("lm_head"):  # RTN's grid whatever the method (min-max but for --method rtn --clip mse)
+            quantized["lm_head"] = _rtn(net.lm_head.weight, scheme_map["lm_head"], scale_dtype,
+                                        cfg.clip if cfg.method == "rtn" else "minmax")
+        phases["quantize_s"] = time.perf_counter() - t
 
-    def weight_args(sch: WeightScheme) -> dict:
-        return {"num_bits": sch.num_bits, "type": "int", "symmetric": sch.symmetric,
-                "strategy": "group" if sch.group_size else "channel", "group_size": sch.group_size,
-                "dynamic": False, "actorder": "weight" if cfg.act_order and cfg.method == "gptq" else None,
-                "observer": "mse" if cfg.clip == "mse" else "minmax", "block_structure": None}
+        # -- the checkpoint: unfused HF names, packed integers, scales in the artifact dtype ----
+        t = time.perf_counter()
+        if not streamed:
+            ckpt.add("embed_tokens.", {})
+            for i in range(mcfg.num_layers):
+                ckpt.add_layer(i, {n: quantized[f"layers.{i}.{n}"] for n, _ in fused_linears(mcfg, i)
+                                   if f"layers.{i}.{n}" in quantized})
+        if "lm_head" in quantized or not streamed:  # the net's lm_head: quantized, or as it is (none when tied)
+            ckpt.add("lm_head.", {"lm_head": quantized["lm_head"]} if "lm_head" in quantized else {})
+        elif not mcfg.tie_word_embeddings:
+            _copy_rows(ckpt, lazy, "lm_head.weight", "lm_head.weight")
+        ckpt.add("norm.", {}, kv_scale_tensors(kv_scales or []))
+        kept = ([] if "lm_head" in names else ["lm_head"]) + ["model." + checkpoint_name(mcfg, r) for r in routers(mcfg)]
+        kept += [hf for n in names if scheme_map[n] is None for hf, _ in _hf_parts(net, n)]
+        act_args = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
+                    "group_size": None, "observer": None} if w8a8 else None
 
-    if cfg.scheme == "mixed":  # one group per precision, each naming its modules
-        groups = {f"group_{i}": {"targets": [f"re:^{re.escape(n)}$" for n in mods], "weights": weight_args(sch),
-                                 "input_activations": None, "output_activations": None, "format": fmt}
-                  for i, (sch, mods) in enumerate(sorted(hf_names_by_scheme.items(), key=lambda kv: kv[0].num_bits))}
-    else:
-        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(scheme), "input_activations": act_args,
-                              "output_activations": None, "format": fmt}}
-    qconfig = {
-        "quant_method": "compressed-tensors", "format": "mixed-precision" if cfg.scheme == "mixed" else fmt,
-        "quantization_status": "compressed", "config_groups": groups,
-        "ignore": kept, "kv_cache_scheme": cfg.kv_cache_scheme(), "global_compression_ratio": None,
-    }
-    config = hf_config(mcfg, scale_dtype)
-    config["quantization_config"] = qconfig
-    quant_bytes = sum(state[f"{n}.{t}"].numel() * state[f"{n}.{t}"].element_size() for n in layers_table
-                      for t in ("weight_packed", "weight", "weight_scale", "weight_zero_point") if f"{n}.{t}" in state)
-    bf16_bytes = sum(2 * int(np.prod(v["shape"])) for v in layers_table.values())
-    kept_bytes = sum(2 * net.get_submodule(n).weight.numel() for n in names if scheme_map[n] is None)
-    quant_bytes, bf16_bytes = quant_bytes + kept_bytes, bf16_bytes + kept_bytes  # mixed: layers left in bf16
-    with staged_output(out, overwrite=overwrite) as tmp:
-        write_checkpoint(tmp, state, config)
+        def weight_args(sch: WeightScheme) -> dict:
+            return {"num_bits": sch.num_bits, "type": "int", "symmetric": sch.symmetric,
+                    "strategy": "group" if sch.group_size else "channel", "group_size": sch.group_size,
+                    "dynamic": False, "actorder": "weight" if cfg.act_order and cfg.method == "gptq" else None,
+                    "observer": "mse" if cfg.clip == "mse" else "minmax", "block_structure": None}
+
+        if cfg.scheme == "mixed":  # one group per precision, each naming its modules
+            groups = {f"group_{i}": {"targets": [f"re:^{re.escape(n)}$" for n in mods], "weights": weight_args(sch),
+                                     "input_activations": None, "output_activations": None, "format": fmt}
+                      for i, (sch, mods) in enumerate(sorted(ckpt.by_scheme.items(), key=lambda kv: kv[0].num_bits))}
+        else:
+            groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(scheme), "input_activations": act_args,
+                                  "output_activations": None, "format": fmt}}
+        qconfig = {
+            "quant_method": "compressed-tensors", "format": "mixed-precision" if cfg.scheme == "mixed" else fmt,
+            "quantization_status": "compressed", "config_groups": groups,
+            "ignore": kept, "kv_cache_scheme": cfg.kv_cache_scheme(), "global_compression_ratio": None,
+        }
+        config = hf_config(mcfg, scale_dtype)
+        config["quantization_config"] = qconfig
+        kept_bytes = sum(2 * net.get_submodule(n).weight.numel() for n in names if scheme_map[n] is None)
+        quant_bytes, bf16_bytes = ckpt.quant_bytes + kept_bytes, ckpt.bf16_bytes + kept_bytes  # mixed: bf16 layers
+        ckpt.writer.close(config)
         if tokenizer is not None:
             export_tokenizer(tokenizer, str(tmp))
         phases["write_s"] = time.perf_counter() - t
+        peak = resident_bytes()[1]
+        if memory is not None:
+            memory["peak_rss_mib"] = mib(peak)
+            if peak > max_memory:
+                raise StageError(f"--max-memory {mib(max_memory)} MiB: the process's resident memory reached "
+                                 f"{mib(peak)} MiB (the plan's estimate was {plan.describe()['estimate_mib']} MiB); "
+                                 f"nothing was written")
         manifest = {
             "stage": "quantize", "manifest_version": MANIFEST_VERSION, "code_version": code_version(),
             "source_model": {"path": os.path.basename(os.path.normpath(src)), "sha256": src_sha,
                              "architecture": mcfg.architecture},
             "scheme": cfg.scheme, "weights": "mixed" if cfg.scheme == "mixed" else scheme.describe(),
             "method": cfg.method, "parameters": cfg.to_dict(),
-            "group_size": scheme.group_size, "calibration": calib_info, "layers": layers_table,
+            "group_size": scheme.group_size, "calibration": calib_info, "layers": ckpt.layers_table,
             "activations": "int8 per token, dynamic" if w8a8 else None, "smoothquant": smoothing,
             "kv_cache": None if cfg.kv_cache == "none" else
             f"{cfg.kv_cache} static per KV head and channel (calibrated)" if static_kv else
@@ -578,10 +759,11 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             "autoround": rounding,
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},
+            "memory": memory,
             "time_s": {k: round(v, 2) for k, v in phases.items()},
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "peak_rss_mib": mib(peak),
         }
         manifest = seal(tmp, manifest)
-    log.info("quantized %d linears (%s, %s) into %s in %.1fs", len(layers_table), manifest["weights"], cfg.method,
-             out, time.perf_counter() - t_start)
+    log.info("quantized %d linears (%s, %s) into %s in %.1fs", len(ckpt.layers_table), manifest["weights"],
+             cfg.method, out, time.perf_counter() - t_start)
     return Artifact(Path(out), manifest)

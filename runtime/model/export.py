@@ -56,8 +56,9 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     return out
 
 
-def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Our state dict with the checkpoint's names: fused q/k/v and gate/up split again."""
+def hf_state_dict(model: LlamaForCausalLM, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Our state dict with the checkpoint's names: fused q/k/v and gate/up split again.
+    `prefix`: only our tensors whose names start with it ("layers.3." for one decoder layer)."""
     cfg = model.config
     out = {}
 
@@ -65,7 +66,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         out[name if name == "lm_head.weight" else "model." + checkpoint_name(cfg, name)] = t.contiguous()
 
     for name, t in model.state_dict().items():
-        if name.startswith("rotary.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        if not name.startswith(prefix) or name.startswith("rotary.") or (
+                name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         if "qkv_proj" in name:
             q, k, v = t.split([cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,

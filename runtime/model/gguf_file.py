@@ -12,6 +12,7 @@ types through gguf's code.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 
@@ -38,6 +39,13 @@ class GGUFFile:
     path: str
     metadata: dict  # key -> int, float, bool, str, or a list of them
     tensors: list[Tensor]
+    mapping: mmap.mmap | None = None  # the file, mapped read-only; the tensors' data are views of it
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's memory (they are read again on the next
+        access): a reader that goes through a large file once keeps only what it copied out."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
@@ -92,7 +100,9 @@ def read_gguf(path: str) -> GGUFFile:
               GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
               GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
               GGMLQuantizationType.I64: np.int64}
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mm = np.frombuffer(mapping, dtype=np.uint8)
     cur = _Cursor(memoryview(mm), path)
     if bytes(mm[:4]) != _MAGIC:
         raise ValueError(f"{path}: not a GGUF file (magic {bytes(mm[:4])!r})")
@@ -133,7 +143,7 @@ def read_gguf(path: str) -> GGUFFile:
             raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
         data = mm[begin:begin + nbytes].view(dtype).reshape(shape)
         tensors.append(Tensor(name, qtype, dims, data))
-    return GGUFFile(path, metadata, tensors)
+    return GGUFFile(path, metadata, tensors, mapping)
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import importlib
@@ -80,26 +81,115 @@ def resolve_model_path(model: str | None) -> str:
 
 # -- HF folders -------------------------------------------------------------------------
 
-def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF parameter names to ours: strip `model.`, fuse q/k/v and gate/up."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        out[our_name(cfg, name.removeprefix("model."))] = t
+def _fused_parts(cfg: ModelConfig, names) -> dict[str, list[str]]:
+    """Our tensor names -> the unfused names each is made of, in order (q/k/v and gate/up
+    fused; every other name stands for itself). `names` are unfused, already ours."""
+    names = list(names)
+    have = set(names)
+    out: dict[str, list[str]] = {}
+    taken: set[str] = set()
     for i in range(cfg.num_layers):
         for ours, parts in fused_linears(cfg, i):
             if len(parts) == 1:
                 continue
             for kind in ("weight", "bias"):  # both absent when the layer is quantized (or has no bias)
-                got = [out.pop(f"layers.{i}.{p}.{kind}", None) for p in parts]
-                if all(t is not None for t in got):
-                    out[f"layers.{i}.{ours}.{kind}"] = torch.cat(got, 0)
-                elif any(t is not None for t in got):
+                got = [f"layers.{i}.{p}.{kind}" for p in parts]
+                if all(g in have for g in got):
+                    out[f"layers.{i}.{ours}.{kind}"] = got
+                    taken.update(got)
+                elif any(g in have for g in got):
                     label = "/".join(p.rsplit(".", 1)[-1].removesuffix("_proj") for p in parts)
                     raise ValueError(f"layer {i}: {label} {kind} tensors are incomplete")
+    for n in names:
+        if n not in taken:
+            out[n] = [n]
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
+    return out
+
+
+def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF parameter names to ours: strip `model.`, fuse q/k/v and gate/up."""
+    ours = {our_name(cfg, name.removeprefix("model.")): t for name, t in state.items()}
+    out = {name: torch.cat([ours[p] for p in parts], 0) if len(parts) > 1 else ours[parts[0]]
+           for name, parts in _fused_parts(cfg, ours).items()}
+    if cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
+
+
+class LazyWeights:
+    """A model's tensors under our (fused) names, each read from the source file when asked:
+    safetensors shards through `CheckpointReader`, a GGUF file's tensors dequantized on
+    demand. The values are the ones `load_model` gives, tensor for tensor."""
+
+    def __init__(self, cfg: ModelConfig, tokenizer, sources: dict, shapes: dict, release=None):
+        self.config, self.tokenizer = cfg, tokenizer
+        self._sources = sources  # unfused name -> fn(rows) -> tensor
+        self._shapes = shapes  # unfused name -> its shape
+        self._parts = _fused_parts(cfg, sources)
+        self._release = release
+
+    def names(self) -> list[str]:
+        return list(self._parts)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shapes = [tuple(self._shapes[p]) for p in self._parts[name]]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` in `dtype` (rows [a, b) only, for an unfused tensor)."""
+        parts = self._parts[name]
+        if rows is not None and len(parts) > 1:
+            raise ValueError(f"{name}: rows of a fused tensor are not read one range at a time")
+        got = [self._sources[p](rows).to(dtype) for p in parts]
+        return torch.cat(got, 0) if len(got) > 1 else got[0]
+
+    def release(self) -> None:
+        """Drop the source file's pages this process still maps (a GGUF file stays mapped)."""
+        if self._release is not None:
+            self._release()
+
+
+def open_lazy(model: str | None) -> LazyWeights:
+    """`model` (as load_model takes it) with its tensors left in the file until asked for."""
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        from quantpipe.runtime.model.gguf_file import read_gguf
+        from quantpipe.runtime.model.tokenizer import tokenizer_from_gguf
+
+        gguf = read_gguf(path)
+        cfg = gguf_config(gguf)
+        tokenizer = tokenizer_from_gguf(gguf)
+        cfg.eos_token_ids = tokenizer.eos_token_ids
+        sources = _gguf_sources(gguf, cfg)
+        shapes = {name: tuple(reversed(t.shape)) for name, t in zip(sources, gguf.tensors)}
+        return LazyWeights(cfg, tokenizer, sources, shapes, gguf.release_pages)
+    reader = artifact.CheckpointReader(path)
+    if reader.config.get("quantization_config"):
+        raise ValueError(f"model {model!r} is already quantized (config.json has a quantization_config); "
+                         "layer-streamed quantization reads unquantized checkpoints")
+    cfg = ModelConfig.from_hf(reader.config)
+    tokenizer = None
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        from quantpipe.runtime.model.tokenizer import tokenizer_from_hf
+
+        tokenizer = tokenizer_from_hf(path, cfg.eos_token_ids)
+        cfg.eos_token_ids = tokenizer.eos_token_ids
+    ours = {our_name(cfg, n.removeprefix("model.")): n for n in reader.names()}
+    return LazyWeights(cfg, tokenizer, {k: functools.partial(reader.get, n) for k, n in ours.items()},
+                       {k: reader.shape(n) for k, n in ours.items()})
+
+
+def skeleton(cfg: ModelConfig) -> LlamaForCausalLM:
+    """The model without its weights (on the meta device), rotary tables computed: layers are
+    filled in one at a time (`load_state_dict(..., assign=True)`). The embedding holds no rows
+    until calibration gives it the ones it uses."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    model.embed_tokens.weight = torch.nn.Parameter(torch.empty(0, cfg.hidden_size), requires_grad=False)
+    model.reset_rope()
+    return model.eval()
 
 
 def quantized_layers(state: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConfig) -> dict[str, QuantWeight]:
@@ -246,17 +336,15 @@ GEMMA3_NAMES = [
 ]
 
 
-def load_gguf(path: str, dtype: torch.dtype):
-    from quantpipe.runtime.model.gguf_file import dequantize, read_gguf
-    from quantpipe.runtime.model.tokenizer import tokenizer_from_gguf
+def _gguf_sources(gguf, cfg: ModelConfig) -> dict:
+    """Our unfused tensor names -> fn(rows) reading that GGUF tensor (rows [a, b) of it, or all)
+    as float32, in the checkpoint's layout (llama.cpp's rotary interleave undone, Gemma's norm
+    offsets removed)."""
+    from quantpipe.runtime.model.gguf_file import dequantize
 
-    gguf = read_gguf(path)
-    cfg = gguf_config(gguf)
-    tokenizer = tokenizer_from_gguf(gguf)
-    cfg.eos_token_ids = tokenizer.eos_token_ids
     permute = cfg.architecture == "LlamaForCausalLM"
     names = GEMMA3_NAMES + GGUF_NAMES if cfg.is_gemma3 else GGUF_NAMES
-    state: dict[str, torch.Tensor] = {}
+    sources = {}
     for t in gguf.tensors:
         for pattern, repl in names:
             if re.fullmatch(pattern, t.name):
@@ -264,14 +352,29 @@ def load_gguf(path: str, dtype: torch.dtype):
                 break
         else:
             raise ValueError(f"GGUF tensor {t.name!r} is not understood by this loader")
-        w = dequantize(t)
-        if permute and name.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg.num_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg.num_kv_heads)
-        elif cfg.is_gemma3 and name.endswith("norm.weight"):
-            w = w - 1.0
-        state[name] = w
+
+        def read(rows=None, t=t, name=name):
+            w = dequantize(t if rows is None else dataclasses.replace(t, data=t.data[rows[0]:rows[1]]))
+            if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+                if rows is not None:
+                    raise ValueError(f"{name}: rows of a rotary projection are not read one range at a time")
+                w = _unpermute(w, cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads)
+            elif cfg.is_gemma3 and name.endswith("norm.weight"):
+                w = w - 1.0
+            return w
+        sources[name] = read
+    return sources
+
+
+def load_gguf(path: str, dtype: torch.dtype):
+    from quantpipe.runtime.model.gguf_file import read_gguf
+    from quantpipe.runtime.model.tokenizer import tokenizer_from_gguf
+
+    gguf = read_gguf(path)
+    cfg = gguf_config(gguf)
+    tokenizer = tokenizer_from_gguf(gguf)
+    cfg.eos_token_ids = tokenizer.eos_token_ids
+    state = {name: read() for name, read in _gguf_sources(gguf, cfg).items()}
     return _build(cfg, _fuse(state, cfg), dtype), cfg, tokenizer
 
 

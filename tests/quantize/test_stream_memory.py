@@ -1,0 +1,158 @@
+"""A model larger than the memory limit quantizes under it (`--max-memory`): each quantize
+process's data segment (`RLIMIT_DATA`: its heap, anonymous mappings and thread stacks) is
+capped at 1.5 GB by the test's own script before torch is imported. The whole-model path
+under the same cap runs out of memory: the cap binds.
+
+RTN quantizes a random Llama of 2.5 GB in bf16 (5.1 GB in float32): Gemma 3's 262,144-token
+vocabulary (untied embeddings and lm_head, 1.07 GB) and 130 decoder layers of hidden size
+1024 (1.44 GB). GPTQ quantizes the same shape with 16 layers (1.25 GB in bf16, 2.5 GB in
+float32): its cost grows with every layer (the 130-layer model took more than 10 minutes of
+CPU), and the 2.5 GB run is in BENCHMARKS.md ("Models larger than memory",
+benchmarks/bench_stream_memory.py). The runs are subprocesses, so they go beside the rest of
+the suite on idle CPU time (tests/idle_jobs.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT = 1_500_000_000
+LAYERS = {"rtn": 130, "gptq": 16}
+BIG = dict(vocab_size=262_144, hidden_size=1024, intermediate_size=1024, num_attention_heads=16,
+           num_key_value_heads=4)
+
+
+def write_big_llama(folder: Path, layers: int) -> int:
+    """A random Llama-architecture HF folder in bf16 shards of about 256 MB, written a tensor
+    at a time (the writer never holds the model); returns its bytes of weights."""
+    from safetensors.torch import save_file
+
+    cfg = {**BIG, "num_hidden_layers": layers, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+           "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    h, inter = BIG["hidden_size"], BIG["intermediate_size"]
+    kv = h // BIG["num_attention_heads"] * BIG["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (BIG["vocab_size"], h), "lm_head.weight": (BIG["vocab_size"], h),
+              "model.norm.weight": (h,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+    g = torch.Generator().manual_seed(0)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    total = 0
+
+    def flush() -> None:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for name, shape in shapes.items():
+        t = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * shape[-1] ** -0.5
+        shard[name] = t.to(torch.bfloat16)
+        total += 2 * t.numel()
+        if sum(2 * x.numel() for x in shard.values()) > 256 * 1000 ** 2:
+            flush()
+    if shard:
+        flush()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return total
+
+
+# The quantize process: caps its own data segment first (before torch), then quantizes with
+# 4 x 512 calibration tokens (GPTQ's floor for input size 1024 is 2,048) and prints the
+# manifest's memory record.
+QUANTIZE_UNDER_LIMIT = """
+import json, resource, sys
+src, out, method, budget, cap = sys.argv[1:6]
+if cap != "none":
+    resource.setrlimit(resource.RLIMIT_DATA, (int(cap), int(cap)))
+from quantpipe.quantize import QuantConfig, quantize
+calib = [[(7 * s + 13 * k) % 262144 for k in range(512)] for s in range(4)]
+cfg = QuantConfig(scheme="W4A16", group_size=128, method=method, calib_samples=4, calib_seq_len=512)
+art = quantize(src, cfg, None, out, calib_token_ids=calib, **({} if budget == "whole" else {"max_memory": int(budget)}))
+print(json.dumps({"memory": art.manifest["memory"], "peak_rss_mib": art.manifest["peak_rss_mib"]}))
+"""
+
+
+def quantize_argv(src: Path, out: Path, method: str, budget: int | None, cap: int | None) -> list[str]:
+    return [sys.executable, "-c", QUANTIZE_UNDER_LIMIT, str(src), str(out), method,
+            "whole" if budget is None else str(budget), "none" if cap is None else str(cap)]
+
+
+def _big_model_runs(runner, folder: Path) -> dict:
+    import shutil
+
+    done = {}
+    for method, layers in LAYERS.items():
+        src, out = folder / f"llama-{layers}", folder / method
+        done[method + "_write"] = write = runner.run(
+            [sys.executable, "-c", "import sys; from pathlib import Path; "
+             "from tests.quantize.test_stream_memory import write_big_llama; "
+             "print(write_big_llama(Path(sys.argv[1]), int(sys.argv[2])))", str(src), str(layers)],
+            cwd=ROOT, env=_env(), timeout=600)
+        if write.returncode != 0:
+            continue
+        if method == "rtn":
+            done["whole"] = runner.run(quantize_argv(src, folder / "whole", "rtn", None, LIMIT), cwd=ROOT, env=_env(),
+                                       timeout=600)
+            done["whole_written"] = (folder / "whole").exists()
+        done[method] = runner.run(quantize_argv(src, out, method, LIMIT, LIMIT), cwd=ROOT, env=_env(), timeout=1500)
+        if out.exists():
+            done[method + "_config"] = json.loads((out / "config.json").read_text())
+            done[method + "_files"] = sorted(f.name for f in out.iterdir())
+        shutil.rmtree(src, ignore_errors=True)  # 2.6 GB of disk
+        shutil.rmtree(out, ignore_errors=True)
+    return done
+
+
+def _env() -> dict:
+    import os
+
+    return dict(os.environ, TOKENIZERS_PARALLELISM="false")
+
+
+IDLE_JOB = _big_model_runs
+
+
+@pytest.fixture(scope="module")
+def runs(idle_jobs) -> dict:
+    return idle_jobs.result(__name__)
+
+
+def test_the_model_is_larger_than_the_limit_and_the_whole_path_runs_out(runs):
+    sizes = {}
+    for method in LAYERS:
+        assert runs[method + "_write"].returncode == 0, runs[method + "_write"].stderr[-3000:]
+        sizes[method] = int(runs[method + "_write"].stdout.strip())
+    assert sizes["rtn"] > 2.5e9 and 2 * sizes["rtn"] > 3 * LIMIT  # float32 whole: over three times the cap
+    assert 2 * sizes["gptq"] > 1.6 * LIMIT
+    assert runs["whole"].returncode != 0 and not runs["whole_written"]
+    assert "MemoryError" in runs["whole"].stderr or "allocate" in runs["whole"].stderr, runs["whole"].stderr[-2000:]
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_it_quantizes_under_the_limit(runs, method):
+    got = runs[method]
+    assert got.returncode == 0, got.stderr[-3000:]
+    record = json.loads(got.stdout.strip().splitlines()[-1])
+    memory = record["memory"]
+    assert memory["streamed"] and record["peak_rss_mib"] * 1024 ** 2 <= LIMIT, record
+    assert memory["plan"]["estimate_mib"] * 1024 ** 2 <= LIMIT
+    weights = runs[method + "_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights["num_bits"] == 4 and weights["group_size"] == 128
+    shards = [f for f in runs[method + "_files"] if f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in runs[method + "_files"]
