@@ -112,3 +112,20 @@ def test_a_budget_too_small_or_an_option_it_lacks_is_refused_before_writing(tmp_
     assert parse_size("1.5GB", "--max-memory") == 1_500_000_000 and parse_size("512MiB", "x") == 512 * 1024 ** 2
     with pytest.raises(StageError, match=r"--max-memory '1.5 gallons': give a size such as 1.5GB"):
         parse_size("1.5 gallons", "--max-memory")
+
+
+def test_a_corrupt_checkpoint_is_named_by_the_streamed_reader(tmp_path):
+    import shutil
+
+    _, src = build(tmp_path, "llama-tied")
+    for damage, message in ((lambda b: b[:4], r"header length -1 in a 4-byte file"),
+                            (lambda b: b[:8] + b"{not json" + b[17:], "its header is not JSON"),
+                            (lambda b: b[:-100], r"data offsets .* do not match its shape")):
+        bad = tmp_path / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(src, bad)
+        f = bad / "model.safetensors"
+        f.write_bytes(damage(f.read_bytes()))
+        with pytest.raises(StageError, match=rf"model: {f}: .*{message}"):
+            quantize(str(bad), QuantConfig(scheme="W8A16"), None, str(tmp_path / "out"), max_memory=GIB)
+        assert not (tmp_path / "out").exists()
