@@ -55,7 +55,7 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTY
               show_default=True, help="scales and unquantized tensors")
 @click.option("--max-memory", default=None, metavar="SIZE",
               help="quantize one decoder layer at a time within this resident memory (e.g. 12GB, 1536MiB), "
-                   "for models larger than memory: rtn, gptq and awq; the same artifact as without it")
+                   "for models larger than memory: rtn, gptq, awq, autoround; the same artifact as without it")
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="largest safetensors file of the artifact [default: 5GB; with --max-memory at most 1/8 of it]")
 @click.option("--out", required=True, help="artifact folder (written only when complete)")

@@ -371,11 +371,13 @@ def _rtn_layers(model, schemes: dict[str, WeightScheme | None], cfg: QuantConfig
 
 
 def _autoround_layers(model, samples: list[list[int]], schemes: dict[str, WeightScheme | None], cfg: QuantConfig,
-                      scale_dtype: torch.dtype) -> tuple[dict[str, QuantWeight], dict]:
+                      scale_dtype: torch.dtype, layers=ResidentLayers(), on_layer=None
+                      ) -> tuple[dict[str, QuantWeight], dict]:
     """AutoRound, decoder layer by decoder layer (quantize/autoround.py): two streams of
     activations, the quantized model's (each layer's input) and the unquantized model's (its
     target), one layer's worth of each held at a time. Returns the quantized weights and each
-    layer's report."""
+    layer's report. `layers` and `on_layer` as for `_layerwise` (the activations stay in memory:
+    the steps draw mini-batches from them at random)."""
     from quantpipe.runtime.llm_engine import resolve_dtype
 
     learn_dtype = resolve_dtype(cfg.learn_dtype, torch.device("cpu"))
@@ -391,6 +393,7 @@ def _autoround_layers(model, samples: list[list[int]], schemes: dict[str, Weight
     try:
         for i in range(len(model.layers)):
             t = time.perf_counter()
+            layers.load(i)
             local = {n: schemes[f"layers.{i}.{n}"] for n, _ in fused_linears(model.config, i)
                      if schemes.get(f"layers.{i}.{n}")}
             with torch.no_grad():
@@ -410,6 +413,9 @@ def _autoround_layers(model, samples: list[list[int]], schemes: dict[str, Weight
             with torch.no_grad():
                 xq = [p.layer(i, x) for p, x in zip(passes, xq)]
             xf = ys
+            if on_layer is not None:  # the layer's weights go to the artifact now and are not kept
+                on_layer(i, {n: out.pop(f"layers.{i}.{n}") for n in local})
+            layers.free(i)
     finally:
         for p in trainable:
             p.requires_grad_(True)
@@ -492,7 +498,7 @@ def _compact_embedding(net, lazy, samples: list[list[int]], chunk_bytes: int = 6
     return [[renumber[t] for t in s] for s in samples]
 
 
-STREAMED_METHODS = ("rtn", "gptq", "awq")
+STREAMED_METHODS = ("rtn", "gptq", "awq", "autoround")
 
 
 def _streamable(cfg: QuantConfig) -> None:
@@ -519,12 +525,15 @@ def _memory_plan(net, mcfg, names: list[str], samples: list[list[int]], cfg: Qua
         hess = max(sum(12 * net.get_submodule(f"layers.{i}.{n}").in_features ** 2 for n, _ in fused_linears(mcfg, i))
                    for i in range(mcfg.num_layers))
     activations = 4 * mcfg.hidden_size * sum(map(len, samples)) if cfg.method != "rtn" else 0
+    if cfg.method == "autoround":  # two streams (inputs and targets), each with the next layer's
+        activations *= 2
     # The checkpoint shard being filled (a decoder layer larger than a shard is held alone); the
     # embeddings and lm_head go through in ranges of 64 MiB unless lm_head is rounded whole.
     item = torch.empty(0, dtype=scale_dtype).element_size()
     held = [shard_bytes, max(item * sum(p.numel() for p in layer.parameters()) for layer in net.layers)]
     held.append(64 * 1024 ** 2 + (4 * math.prod(lazy.shape("lm_head.weight")) if "lm_head" in names else 0))
-    return plan_memory(budget, layer_bytes, largest, hess, activations, max(1, len(samples)), max(held))
+    return plan_memory(budget, layer_bytes, largest, hess, activations, max(1, len(samples)), max(held),
+                       spill=cfg.method != "autoround")
 
 
 def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, overwrite: bool = False,
@@ -681,7 +690,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             ckpt.damp_used, ckpt.awq_found = damp_used, awq_found
         elif cfg.method == "autoround":
             calib_info["samples"], calib_info["tokens"] = len(samples), sum(map(len, samples))
-            quantized, rounding = _autoround_layers(net, samples, scheme_map, cfg, scale_dtype)
+            quantized, rounding = _autoround_layers(net, run_samples, scheme_map, cfg, scale_dtype, layers, on_layer)
         else:
             quantized = _rtn_layers(net, scheme_map, cfg, scale_dtype, layers, on_layer)
         if streamed:

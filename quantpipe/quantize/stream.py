@@ -2,10 +2,12 @@
 
 `quantpipe quantize --max-memory SIZE` builds the model's skeleton without weights, reads
 each decoder layer's tensors from the source when its turn comes (safetensors shards or a
-GGUF file, `loader.LazyWeights`), quantizes it on the calibration activations that the
-layers before it produced, writes its tensors to the artifact and lets it go. What stays
-resident is one layer in float32, its Hessians, the calibration activations (on disk when
-they would not fit beside the rest), and the checkpoint shard being written. The embeddings
+GGUF file, `loader.LazyWeights`), quantizes it (RTN, GPTQ, AWQ, AutoRound) on the
+calibration activations that the layers before it produced, writes its tensors to the
+artifact and lets it go. What stays resident is one layer in float32, its Hessians, the
+calibration activations (GPTQ's and AWQ's on disk when they would not fit beside the rest;
+AutoRound draws its mini-batches from them at random and keeps them in memory), and the
+checkpoint shard being written. The embeddings
 are read in row ranges: calibration keeps only the rows of the tokens it uses, and the
 artifact's copy is converted range by range.
 
@@ -167,17 +169,19 @@ class MemoryPlan:
 
 
 def plan_memory(budget: int, layer_bytes: int, largest_linear: int, hessian_bytes: int, activation_bytes: int,
-                sequences: int, shard_bytes: int) -> MemoryPlan:
+                sequences: int, shard_bytes: int, spill: bool = True) -> MemoryPlan:
     """The plan for `budget` bytes, activations moved to disk when they would not fit in
-    memory; a StageError naming the largest part when even that does not fit."""
+    memory (where `spill`); a StageError naming the largest part when even that does not fit."""
     current, _ = resident_bytes()
     plan = MemoryPlan(budget, current, layer_bytes + 3 * largest_linear, hessian_bytes, 2 * activation_bytes,
                       shard_bytes, sequences=sequences)
-    if plan.total() > budget:
+    if plan.total() > budget and spill:
         plan.on_disk = True
     if plan.total() > budget:
         parts = {"the process before any layer": plan.baseline, "one decoder layer in float32": plan.layer,
                  "its Hessians": plan.hessians, "the checkpoint shard being written": plan.shard}
+        if not plan.on_disk:
+            parts["the calibration activations (kept in memory)"] = plan.activations
         big = max(parts, key=parts.get)
         raise StageError(f"--max-memory {mib(budget)} MiB is too small for this model: the plan needs about "
                          f"{mib(plan.total())} MiB ({', '.join(f'{k} {mib(v)} MiB' for k, v in parts.items())}); "
