@@ -486,8 +486,10 @@ def _safetensors_header(f: Path) -> dict[str, tuple[int, str, list[int]]]:
         try:
             dtype, shape, (start, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
             item = _SAFETENSORS_DTYPES[dtype][1]
+            if not (isinstance(start, int) and isinstance(end, int)):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{f}: tensor {name!r} has a malformed header entry {info!r}") from None
+            raise ValueError(f"{f}: tensor {name!r} has a malformed or unsupported header entry {info!r}") from None
         if end - start != item * math.prod(shape) or not 0 <= start <= end <= size - 8 - n:
             raise ValueError(f"{f}: tensor {name!r} has data offsets {[start, end]} that do not match its shape "
                              f"{shape} and {dtype} or the file's {size} bytes")

@@ -55,9 +55,11 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTY
               show_default=True, help="scales and unquantized tensors")
 @click.option("--max-memory", default=None, metavar="SIZE",
               help="quantize one decoder layer at a time within this resident memory (e.g. 12GB, 1536MiB), "
-                   "for models larger than memory: rtn, gptq, awq, autoround; the same artifact as without it")
+                   "for models larger than memory: rtn, gptq, awq, autoround; the same files as without it "
+                   "at the same --max-shard-size")
 @click.option("--max-shard-size", default=None, metavar="SIZE",
-              help="largest safetensors file of the artifact [default: 5GB; with --max-memory at most 1/8 of it]")
+              help="safetensors shard size of the artifact (a single tensor or layer larger than it gets a file "
+                   "of its own) [default: 5GB; with --max-memory at most 1/8 of it]")
 @click.option("--out", required=True, help="artifact folder (written only when complete)")
 @click.option("--overwrite", is_flag=True, help="replace an existing --out folder")
 def quantize_command(model, calib, out, overwrite, sensitivity_from, max_memory, max_shard_size, **options) -> int:

@@ -289,14 +289,16 @@ def _expert_report(cfg, i: int, routed: dict[str, int], all_experts: bool) -> di
 
 @torch.no_grad()  # the weights are parameters: no autograd graph through the searches (they held 50x a weight)
 def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme | None], cfg: QuantConfig,
-               scale_dtype: torch.dtype, layers=ResidentLayers(), on_layer=None, spill: Path | None = None
+               scale_dtype: torch.dtype, layers=ResidentLayers(), on_layer=None, spill: Path | None = None,
+               damp_used: dict | None = None, awq_found: dict | None = None
                ) -> tuple[dict[str, QuantWeight], dict, dict, dict]:
     """GPTQ or AWQ, layer by layer: each layer calibrates on inputs that already passed the
     quantized layers before it, and only one layer's activations are held at a time.
 
     `layers` reads each decoder layer in before its turn and releases it after (streamed),
-    `on_layer(i, weights)` takes its quantized weights as it is done, and `spill` is a folder
-    that holds the activations between layers instead of memory.
+    `on_layer(i, weights)` takes its quantized weights as it is done (after `damp_used` and
+    `awq_found`, when given, have that layer's records), and `spill` is a folder that holds
+    the activations between layers instead of memory.
     Returns the quantized weights, the dampening GPTQ used per Linear, AWQ's scale search per
     Linear, and the experts' token counts per layer.
     """
@@ -304,8 +306,8 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
     with torch.inference_mode():
         xs = Activations((p.embed() for p in passes), spill)
     out: dict[str, QuantWeight] = {}
-    damp_used: dict[str, float] = {}
-    awq_found: dict[str, dict] = {}
+    damp_used = {} if damp_used is None else damp_used
+    awq_found = {} if awq_found is None else awq_found
     experts: dict[str, dict] = {}
     for i, layer in enumerate(model.layers):
         layers.load(i)
@@ -424,8 +426,9 @@ def _autoround_layers(model, samples: list[list[int]], schemes: dict[str, Weight
 
 class _Checkpoint:
     """The artifact's tensors, written group by group as they are ready: the embeddings, each
-    decoder layer, lm_head, then the final norm (and static KV scales). Both paths (whole model, streamed) write
-    the same groups in the same order, so they write the same files."""
+    decoder layer, lm_head, then the final norm (and static KV scales). Both paths (whole
+    model, streamed) write the same groups in the same order, so with the same shard size
+    they write the same files."""
 
     def __init__(self, folder: Path, net, scheme_map: dict, fmt: str, scale_dtype: torch.dtype,
                  max_shard_bytes: int, damp_used: dict, awq_found: dict):
@@ -484,6 +487,9 @@ def _compact_embedding(net, lazy, samples: list[list[int]], chunk_bytes: int = 6
     (float32, read in row ranges); returns the samples renumbered into those rows."""
     used = sorted({t for s in samples for t in s})
     rows, cols = lazy.shape("embed_tokens.weight")
+    if used and not (0 <= used[0] and used[-1] < rows):
+        bad = used[0] if used[0] < 0 else used[-1]
+        raise StageError(f"calibration token id {bad} is outside the model's vocabulary of {rows} tokens")
     index = torch.tensor(used, dtype=torch.long)
     compact = torch.empty(len(used), cols)
     step = max(1, chunk_bytes // (4 * cols))
@@ -492,7 +498,7 @@ def _compact_embedding(net, lazy, samples: list[list[int]], chunk_bytes: int = 6
         lo, hi = torch.searchsorted(index, a), torch.searchsorted(index, b)
         if hi > lo:
             compact[lo:hi] = lazy.get("embed_tokens.weight", rows=(a, b))[index[lo:hi] - a]
-    lazy.release()
+            lazy.release()
     net.embed_tokens.weight = torch.nn.Parameter(compact, requires_grad=False)
     renumber = {t: k for k, t in enumerate(used)}
     return [[renumber[t] for t in s] for s in samples]
@@ -528,7 +534,8 @@ def _memory_plan(net, mcfg, names: list[str], samples: list[list[int]], cfg: Qua
     if cfg.method == "autoround":  # two streams (inputs and targets), each with the next layer's
         activations *= 2
     # The checkpoint shard being filled (a decoder layer larger than a shard is held alone); the
-    # embeddings and lm_head go through in ranges of 64 MiB unless lm_head is rounded whole.
+    # embeddings and lm_head go through in ranges of 64 MiB when larger than a shard (else they
+    # join it), and a quantized lm_head is rounded whole in float32.
     item = torch.empty(0, dtype=scale_dtype).element_size()
     held = [shard_bytes, max(item * sum(p.numel() for p in layer.parameters()) for layer in net.layers)]
     held.append(64 * 1024 ** 2 + (4 * math.prod(lazy.shape("lm_head.weight")) if "lm_head" in names else 0))
@@ -573,7 +580,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         if streamed:
             lazy = open_lazy(model)
             mcfg, tokenizer = lazy.config, lazy.tokenizer
-            net = skeleton(mcfg)
+            net = skeleton(mcfg, lazy)
         else:
             net, mcfg, tokenizer = load_model(model, torch.float32)
     except (ValueError, FileNotFoundError) as e:
@@ -686,8 +693,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         if cfg.method in ("gptq", "awq"):
             calib_info["samples"], calib_info["tokens"] = len(samples), sum(map(len, samples))
             quantized, damp_used, awq_found, experts = _layerwise(net, run_samples, scheme_map, cfg, scale_dtype,
-                                                                  layers, on_layer, spill)
-            ckpt.damp_used, ckpt.awq_found = damp_used, awq_found
+                                                                  layers, on_layer, spill, damp_used, awq_found)
         elif cfg.method == "autoround":
             calib_info["samples"], calib_info["tokens"] = len(samples), sum(map(len, samples))
             quantized, rounding = _autoround_layers(net, run_samples, scheme_map, cfg, scale_dtype, layers, on_layer)
@@ -768,6 +774,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             "autoround": rounding,
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},
+            "max_shard_bytes": max_shard_size,  # the files (and so artifact_sha256) depend on it
             "memory": memory,
             "time_s": {k: round(v, 2) for k, v in phases.items()},
             "peak_rss_mib": mib(peak),

@@ -11,9 +11,11 @@ checkpoint shard being written. The embeddings
 are read in row ranges: calibration keeps only the rows of the tokens it uses, and the
 artifact's copy is converted range by range.
 
-The output is the whole-model path's, byte for byte (tests/quantize/test_stream.py): the
-same layers see the same inputs in the same order, and both write through one
-`CheckpointWriter`. The plan is checked before any layer is read, and the process's peak
+The output is the whole-model path's, byte for byte, given the same `--max-shard-size`
+(tests/quantize/test_stream.py): the same layers see the same inputs in the same order, and
+both write through one `CheckpointWriter`. Streamed, the default shard size is at most an
+eighth of the budget, so a large model's files (and artifact hash) differ from a whole-model
+run's with its 5 GB default; the manifest records the size. The plan is checked before any layer is read, and the process's peak
 resident memory after every layer: past the budget, the stage stops with an error and
 writes nothing.
 """
@@ -53,14 +55,22 @@ def mib(n: float) -> int:
 
 
 def resident_bytes() -> tuple[int, int]:
-    """(current, peak) resident set of this process, from /proc (the kernel's own high-water mark)."""
+    """(current, peak) resident set of this process, from /proc (the kernel's own high-water
+    mark); without /proc, the peak getrusage reports, for both."""
     fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024
-    return fields["VmRSS"], fields["VmHWM"]
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    fields[key] = int(value.split()[0]) * 1024
+        return fields["VmRSS"], fields["VmHWM"]
+    except (OSError, KeyError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return peak, peak
 
 
 def reset_peak() -> None:

@@ -162,8 +162,7 @@ def open_lazy(model: str | None) -> LazyWeights:
         cfg = gguf_config(gguf)
         tokenizer = tokenizer_from_gguf(gguf)
         cfg.eos_token_ids = tokenizer.eos_token_ids
-        sources = _gguf_sources(gguf, cfg)
-        shapes = {name: tuple(reversed(t.shape)) for name, t in zip(sources, gguf.tensors)}
+        sources, shapes = _gguf_sources(gguf, cfg, with_shapes=True)
         return LazyWeights(cfg, tokenizer, sources, shapes, gguf.release_pages)
     reader = artifact.CheckpointReader(path)
     if reader.config.get("quantization_config"):
@@ -181,12 +180,24 @@ def open_lazy(model: str | None) -> LazyWeights:
                        {k: reader.shape(n) for k, n in ours.items()})
 
 
-def skeleton(cfg: ModelConfig) -> LlamaForCausalLM:
+def skeleton(cfg: ModelConfig, lazy: LazyWeights) -> LlamaForCausalLM:
     """The model without its weights (on the meta device), rotary tables computed: layers are
     filled in one at a time (`load_state_dict(..., assign=True)`). The embedding holds no rows
-    until calibration gives it the ones it uses."""
+    until calibration gives it the ones it uses. `lazy`'s tensors are checked against it
+    first: the names and shapes `_build` would refuse are refused here, before any is read."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith(("rotary.", "rotary_local."))}
+    if cfg.tie_word_embeddings:
+        want.pop("lm_head.weight", None)
+    have = set(lazy.names())
+    missing, unexpected = sorted(set(want) - have), sorted(have - set(want))
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, shape in want.items():
+        if tuple(lazy.shape(name)) != shape:
+            raise ValueError(f"weights do not match the architecture: {name} has shape {list(lazy.shape(name))}, "
+                             f"the architecture's is {list(shape)}")
     model.embed_tokens.weight = torch.nn.Parameter(torch.empty(0, cfg.hidden_size), requires_grad=False)
     model.reset_rope()
     return model.eval()
@@ -336,15 +347,15 @@ GEMMA3_NAMES = [
 ]
 
 
-def _gguf_sources(gguf, cfg: ModelConfig) -> dict:
+def _gguf_sources(gguf, cfg: ModelConfig, with_shapes: bool = False):
     """Our unfused tensor names -> fn(rows) reading that GGUF tensor (rows [a, b) of it, or all)
     as float32, in the checkpoint's layout (llama.cpp's rotary interleave undone, Gemma's norm
-    offsets removed)."""
+    offsets removed); with `with_shapes`, also each name's shape (outermost first)."""
     from quantpipe.runtime.model.gguf_file import dequantize
 
     permute = cfg.architecture == "LlamaForCausalLM"
     names = GEMMA3_NAMES + GGUF_NAMES if cfg.is_gemma3 else GGUF_NAMES
-    sources = {}
+    sources, shapes = {}, {}
     for t in gguf.tensors:
         for pattern, repl in names:
             if re.fullmatch(pattern, t.name):
@@ -362,8 +373,10 @@ def _gguf_sources(gguf, cfg: ModelConfig) -> dict:
             elif cfg.is_gemma3 and name.endswith("norm.weight"):
                 w = w - 1.0
             return w
-        sources[name] = read
-    return sources
+        if name in sources:
+            raise ValueError(f"GGUF tensor {t.name!r}: a second tensor for {name}")
+        sources[name], shapes[name] = read, tuple(reversed(t.shape))
+    return (sources, shapes) if with_shapes else sources
 
 
 def load_gguf(path: str, dtype: torch.dtype):

@@ -61,6 +61,13 @@ def test_streamed_artifact_is_the_whole_model_one_byte_for_byte(tmp_path, arch, 
     _, state = load_checkpoint(streamed.path)
     assert set(state) == set(index)
     assert streamed.manifest["artifact_sha256"] == whole.manifest["artifact_sha256"]
+    # The manifests too (GPTQ's dampening and AWQ's searches per layer included), but for what
+    # records the run itself.
+    run_only = ("time_s", "memory", "peak_rss_mib")
+    assert {k: v for k, v in streamed.manifest.items() if k not in run_only} == \
+        {k: v for k, v in whole.manifest.items() if k not in run_only}
+    if method == "gptq":
+        assert all(v["dampening"] is not None for v in streamed.manifest["layers"].values())
     assert whole.manifest["memory"] is None
     memory = streamed.manifest["memory"]
     assert memory["streamed"] and memory["peak_rss_mib"] <= 8 * 1024 and memory["plan"]["activations_on"] == "memory"
@@ -130,3 +137,20 @@ def test_a_corrupt_checkpoint_is_named_by_the_streamed_reader(tmp_path):
         with pytest.raises(StageError, match=rf"model: {f}: .*{message}"):
             quantize(str(bad), QuantConfig(scheme="W8A16"), None, str(tmp_path / "out"), max_memory=GIB)
         assert not (tmp_path / "out").exists()
+
+
+def test_a_source_that_does_not_match_its_architecture_or_vocabulary_is_refused_before_reading(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, src = build(tmp_path, "llama-tied")
+    state = load_file(Path(src) / "model.safetensors")
+    state.pop("model.layers.1.post_attention_layernorm.weight")
+    save_file(state, str(Path(src) / "model.safetensors"))
+    with pytest.raises(StageError, match=r"model: weights do not match the architecture: missing "
+                                         r"\['layers.1.post_attention_layernorm.weight'\]"):
+        quantize(src, QuantConfig(scheme="W8A16"), None, str(tmp_path / "out"), max_memory=GIB)
+    _, src = build(tmp_path / "b", "llama-tied")
+    with pytest.raises(StageError, match="calibration token id 320 is outside the model's vocabulary of 320 tokens"):
+        quantize(src, QuantConfig(scheme="W4A16", group_size=32, method="gptq"), None, str(tmp_path / "out"),
+                 calib_token_ids=[list(range(200)), list(range(200, 321))], max_memory=GIB)
+    assert not (tmp_path / "out").exists()
