@@ -61,6 +61,7 @@ from quantpipe.runtime.model.config import checkpoint_name, fused_linears, route
 from quantpipe.runtime.model.export import export_tokenizer, hf_config, hf_state_dict
 from quantpipe.runtime.model.forward import SequencePass
 from quantpipe.runtime.model.llama import SparseMoE
+from quantpipe.runtime.model.loader import ROW_RANGE_BYTES
 
 log = logging.getLogger("quantpipe.quantize")
 
@@ -467,22 +468,19 @@ class _Checkpoint:
         self.add(f"layers.{i}.", {f"layers.{i}.{n}": qw for n, qw in quantized.items()})
 
 
-def _copy_rows(ckpt: _Checkpoint, lazy, name: str, hf_name: str, chunk_bytes: int = 64 * 1024 ** 2) -> None:
+def _copy_rows(ckpt: _Checkpoint, lazy, name: str, hf_name: str) -> None:
     """An unquantized matrix (the embeddings, lm_head) from the source into the checkpoint, read
     in row ranges and converted range by range: never whole in float32, and never whole at all
     when it is larger than a shard."""
-    rows, cols = lazy.shape(name)
-    step = max(1, chunk_bytes // (4 * cols))
-
     def chunks():
-        for a in range(0, rows, step):
-            yield lazy.get(name, ckpt.dtype, rows=(a, min(rows, a + step)))
+        for rows in lazy.row_ranges(name):
+            yield lazy.get(name, ckpt.dtype, rows=rows)
             lazy.release()
 
-    ckpt.writer.add_rows(hf_name, [rows, cols], ckpt.dtype, chunks)
+    ckpt.writer.add_rows(hf_name, list(lazy.shape(name)), ckpt.dtype, chunks)
 
 
-def _compact_embedding(net, lazy, samples: list[list[int]], chunk_bytes: int = 64 * 1024 ** 2) -> list[list[int]]:
+def _compact_embedding(net, lazy, samples: list[list[int]]) -> list[list[int]]:
     """Streamed calibration: the embedding holds only the rows of the tokens in `samples`
     (float32, read in row ranges); returns the samples renumbered into those rows."""
     used = sorted({t for s in samples for t in s})
@@ -492,9 +490,7 @@ def _compact_embedding(net, lazy, samples: list[list[int]], chunk_bytes: int = 6
         raise StageError(f"calibration token id {bad} is outside the model's vocabulary of {rows} tokens")
     index = torch.tensor(used, dtype=torch.long)
     compact = torch.empty(len(used), cols)
-    step = max(1, chunk_bytes // (4 * cols))
-    for a in range(0, rows, step):
-        b = min(rows, a + step)
+    for a, b in lazy.row_ranges("embed_tokens.weight"):
         lo, hi = torch.searchsorted(index, a), torch.searchsorted(index, b)
         if hi > lo:
             compact[lo:hi] = lazy.get("embed_tokens.weight", rows=(a, b))[index[lo:hi] - a]
@@ -534,11 +530,11 @@ def _memory_plan(net, mcfg, names: list[str], samples: list[list[int]], cfg: Qua
     if cfg.method == "autoround":  # two streams (inputs and targets), each with the next layer's
         activations *= 2
     # The checkpoint shard being filled (a decoder layer larger than a shard is held alone); the
-    # embeddings and lm_head go through in ranges of 64 MiB when larger than a shard (else they
+    # embeddings and lm_head go through in row ranges when larger than a shard (else they
     # join it), and a quantized lm_head is rounded whole in float32.
     item = torch.empty(0, dtype=scale_dtype).element_size()
     held = [shard_bytes, max(item * sum(p.numel() for p in layer.parameters()) for layer in net.layers)]
-    held.append(64 * 1024 ** 2 + (4 * math.prod(lazy.shape("lm_head.weight")) if "lm_head" in names else 0))
+    held.append(ROW_RANGE_BYTES + (4 * math.prod(lazy.shape("lm_head.weight")) if "lm_head" in names else 0))
     return plan_memory(budget, layer_bytes, largest, hess, activations, max(1, len(samples)), max(held),
                        spill=cfg.method != "autoround")
 

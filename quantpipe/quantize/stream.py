@@ -7,17 +7,16 @@ calibration activations that the layers before it produced, writes its tensors t
 artifact and lets it go. What stays resident is one layer in float32, its Hessians, the
 calibration activations (GPTQ's and AWQ's on disk when they would not fit beside the rest;
 AutoRound draws its mini-batches from them at random and keeps them in memory), and the
-checkpoint shard being written. The embeddings
-are read in row ranges: calibration keeps only the rows of the tokens it uses, and the
-artifact's copy is converted range by range.
+checkpoint shard being written. The embeddings are read in row ranges: calibration keeps
+only the rows of the tokens it uses, and the artifact's copy is converted range by range.
 
 The output is the whole-model path's, byte for byte, given the same `--max-shard-size`
 (tests/quantize/test_stream.py): the same layers see the same inputs in the same order, and
 both write through one `CheckpointWriter`. Streamed, the default shard size is at most an
 eighth of the budget, so a large model's files (and artifact hash) differ from a whole-model
-run's with its 5 GB default; the manifest records the size. The plan is checked before any layer is read, and the process's peak
-resident memory after every layer: past the budget, the stage stops with an error and
-writes nothing.
+run's with its 5 GB default; the manifest records the size. The plan is checked before any
+layer is read, and the process's peak resident memory after every layer: past the budget,
+the stage stops with an error and writes nothing.
 """
 
 from __future__ import annotations
@@ -133,9 +132,6 @@ class Activations:
         for k, x in enumerate(self._items):
             yield torch.load(self._path(self._gen, k)) if x is None else x
 
-    def __len__(self) -> int:
-        return len(self._items)
-
     def replace(self, tensors) -> Activations:
         """The next layer's inputs (an iterable, consumed as it is written)."""
         if self.folder is None:
@@ -205,7 +201,6 @@ class StreamedLayers:
 
     def __init__(self, net, lazy, budget: int):
         self.net, self.lazy, self.budget = net, lazy, budget
-        self.peak_layer = -1
 
     def load(self, i: int) -> None:
         layer = self.net.layers[i]

@@ -118,6 +118,9 @@ def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     return out
 
 
+ROW_RANGE_BYTES = 64 * 1024 ** 2  # what LazyWeights.row_ranges reads of a large matrix at a time, in float32
+
+
 class LazyWeights:
     """A model's tensors under our (fused) names, each read from the source file when asked:
     safetensors shards through `CheckpointReader`, a GGUF file's tensors dequantized on
@@ -137,6 +140,12 @@ class LazyWeights:
         shapes = [tuple(self._shapes[p]) for p in self._parts[name]]
         return (sum(s[0] for s in shapes), *shapes[0][1:])
 
+    def row_ranges(self, name: str) -> list[tuple[int, int]]:
+        """[a, b) ranges that cover matrix `name`'s rows, each at most ROW_RANGE_BYTES in float32."""
+        rows, cols = self.shape(name)
+        step = max(1, ROW_RANGE_BYTES // (4 * cols))
+        return [(a, min(rows, a + step)) for a in range(0, rows, step)]
+
     def get(self, name: str, dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor `name` in `dtype` (rows [a, b) only, for an unfused tensor)."""
         parts = self._parts[name]
@@ -155,13 +164,7 @@ def open_lazy(model: str | None) -> LazyWeights:
     """`model` (as load_model takes it) with its tensors left in the file until asked for."""
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
-        from quantpipe.runtime.model.gguf_file import read_gguf
-        from quantpipe.runtime.model.tokenizer import tokenizer_from_gguf
-
-        gguf = read_gguf(path)
-        cfg = gguf_config(gguf)
-        tokenizer = tokenizer_from_gguf(gguf)
-        cfg.eos_token_ids = tokenizer.eos_token_ids
+        gguf, cfg, tokenizer = _open_gguf(path)
         sources, shapes = _gguf_sources(gguf, cfg, with_shapes=True)
         return LazyWeights(cfg, tokenizer, sources, shapes, gguf.release_pages)
     reader = artifact.CheckpointReader(path)
@@ -169,12 +172,7 @@ def open_lazy(model: str | None) -> LazyWeights:
         raise ValueError(f"model {model!r} is already quantized (config.json has a quantization_config); "
                          "layer-streamed quantization reads unquantized checkpoints")
     cfg = ModelConfig.from_hf(reader.config)
-    tokenizer = None
-    if os.path.exists(os.path.join(path, "tokenizer.json")):
-        from quantpipe.runtime.model.tokenizer import tokenizer_from_hf
-
-        tokenizer = tokenizer_from_hf(path, cfg.eos_token_ids)
-        cfg.eos_token_ids = tokenizer.eos_token_ids
+    tokenizer = _hf_tokenizer(path, cfg)
     ours = {our_name(cfg, n.removeprefix("model.")): n for n in reader.names()}
     return LazyWeights(cfg, tokenizer, {k: functools.partial(reader.get, n) for k, n in ours.items()},
                        {k: reader.shape(n) for k, n in ours.items()})
@@ -379,7 +377,8 @@ def _gguf_sources(gguf, cfg: ModelConfig, with_shapes: bool = False):
     return (sources, shapes) if with_shapes else sources
 
 
-def load_gguf(path: str, dtype: torch.dtype):
+def _open_gguf(path: str):
+    """(the parsed file, its config, its tokenizer), the config's EOS ids taken from the tokenizer."""
     from quantpipe.runtime.model.gguf_file import read_gguf
     from quantpipe.runtime.model.tokenizer import tokenizer_from_gguf
 
@@ -387,6 +386,22 @@ def load_gguf(path: str, dtype: torch.dtype):
     cfg = gguf_config(gguf)
     tokenizer = tokenizer_from_gguf(gguf)
     cfg.eos_token_ids = tokenizer.eos_token_ids
+    return gguf, cfg, tokenizer
+
+
+def _hf_tokenizer(path: str, cfg: ModelConfig):
+    """An HF folder's tokenizer.json (None without one), the config's EOS ids taken from it."""
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        return None
+    from quantpipe.runtime.model.tokenizer import tokenizer_from_hf
+
+    tokenizer = tokenizer_from_hf(path, cfg.eos_token_ids)
+    cfg.eos_token_ids = tokenizer.eos_token_ids
+    return tokenizer
+
+
+def load_gguf(path: str, dtype: torch.dtype):
+    gguf, cfg, tokenizer = _open_gguf(path)
     state = {name: read() for name, read in _gguf_sources(gguf, cfg).items()}
     return _build(cfg, _fuse(state, cfg), dtype), cfg, tokenizer
 
@@ -406,10 +421,4 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | Non
     if path.endswith(".gguf"):
         return load_gguf(path, dtype)
     module, cfg = load_hf(path, dtype, device, quant_kernel, kernel_plan, cpu_kernels)
-    tokenizer = None
-    if os.path.exists(os.path.join(path, "tokenizer.json")):
-        from quantpipe.runtime.model.tokenizer import tokenizer_from_hf
-
-        tokenizer = tokenizer_from_hf(path, cfg.eos_token_ids)
-        cfg.eos_token_ids = tokenizer.eos_token_ids
-    return module, cfg, tokenizer
+    return module, cfg, _hf_tokenizer(path, cfg)
