@@ -25,19 +25,32 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ENTRIES // vocab)
 
 
+def row_sums(t: torch.Tensor) -> torch.Tensor:
+    """Each row's sum [R, 1] in float64, the same bits whatever torch's thread count.
+
+    torch splits a reduction across threads by its output rows, each row then summed in
+    one order, except when there is a single output: then each thread sums a slice of the
+    row and the result depends on how many threads there are. A single row is therefore
+    summed as two views of itself (its numbers then match a run with another thread count,
+    such as a Ray task that declares one CPU)."""
+    if t.shape[0] == 1:
+        return t.expand(2, -1).sum(-1, keepdim=True, dtype=torch.float64)[:1]
+    return t.sum(-1, keepdim=True, dtype=torch.float64)
+
+
 def exp_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For float32 logits [R, V]: each row's max m (float64), its index, exp(x - m), and the
     row sum s of exp(x - m) accumulated in float64 (the log-sum-exp is m + log s)."""
     m, top1 = x.max(-1, keepdim=True)
     e = (x - m).exp_()
-    return m.double(), top1, e, e.sum(-1, keepdim=True, dtype=torch.float64)
+    return m.double(), top1, e, row_sums(e)
 
 
 def kl_from_parts(xb: torch.Tensor, mb: torch.Tensor, eb: torch.Tensor, sb: torch.Tensor,
                   xc: torch.Tensor, mc: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     """Per-row KL(baseline || candidate) [R, 1] in float64 from both sides' logits and
     exp_parts (the candidate's exp itself is not needed)."""
-    mean_d = (eb * (xb - xc)).sum(-1, keepdim=True, dtype=torch.float64) / sb  # E_pb[d]
+    mean_d = row_sums(eb * (xb - xc)) / sb  # E_pb[d]
     return (mean_d - (mb - mc) - (sb.log() - sc.log())).clamp(min=0)
 
 

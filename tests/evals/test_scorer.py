@@ -100,6 +100,31 @@ def test_statistics_of_a_large_vocabulary_in_chunks():
     assert broken.kl.mean() > 10 and 0 < broken.top5_miss.mean() < 1
 
 
+def test_statistics_do_not_depend_on_the_thread_count():
+    """A Ray task that declares one CPU scores with one thread, the local eval with several:
+    every per-token number must be the same bits. A chunk of a single row is the case torch
+    would split across threads (1 and chunk + 1 positions make one-row last chunks)."""
+    vocab = 1 << 16
+    rows = chunk_rows(vocab)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    # Whether a split sum rounds differently depends on the data (about half the rows here
+    # did): twelve texts make a thread-dependent scorer fail this all but surely.
+    for n in [2] * 8 + [rows + 2, 2 * rows + 2] * 2:
+        ids = [i * 31 % vocab for i in range(n)]
+        lb = torch.randn(n - 1, vocab, generator=g) * 3
+        lc = lb + torch.randn(lb.shape, generator=g) * 0.1
+        saved = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                out[threads] = token_stats(lb, lc, ids)
+        finally:
+            torch.set_num_threads(saved)
+        for k in ("nll_base", "nll_cand", "kl", "agree", "top5_miss"):
+            assert np.array_equal(getattr(out[1], k), getattr(out[2], k)), (n, k)
+
+
 def test_perplexity_is_hf_transformers_loss_on_the_same_tokens(tmp_path):
     """Every headline figure is a perplexity delta: the scorer's per-token NLL, averaged, is the
     loss HF transformers computes for the same tokens, and its perplexity exp of the mean."""
