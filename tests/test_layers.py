@@ -27,6 +27,7 @@ LAYERS = {
     "quantpipe.runtime.model.runner": ENGINE,  # executes the scheduler's steps on the model "quantpipe.runtime.llm_engine": ENGINE,
     "quantpipe.runtime.llm": ENGINE, "quantpipe.runtime.server": ENGINE, "quantpipe.runtime.bench": ENGINE,
     "quantpipe.runtime.workload": ENGINE, "quantpipe.runtime.cli": ENGINE,
+    "quantpipe.distributed": ENGINE,  # Ray: where stages' tasks run
     "quantpipe.evals": FORMATS,  # data only (suites, policies, recipes, task files): its __init__ locates them
     "quantpipe.calibrate": STAGES, "quantpipe.quantize": STAGES, "quantpipe.eval": STAGES,
     "quantpipe.gate": STAGES, "quantpipe.regression": STAGES,

@@ -46,6 +46,9 @@ def _ints(value: str | None) -> list[int] | None:
 @click.option("--overwrite", is_flag=True, default=None, help="replace an existing --out folder")
 @click.option("--workers", type=int, default=None, help="processes for the first pass [default: one per core for "
               "logs over 32 MiB]; the output does not depend on it")
+@click.option("--ray", default=None, envvar="RAY_ADDRESS", show_envvar=True,
+              help="a Ray cluster's address: the logs are read and featurized there through Ray Data "
+                   "(pip install 'quantpipe[ray]'); the sets are the same byte for byte")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def calibrate_command(logs, more_logs, recipe, fmt, no_progress, **flags) -> int:
     from quantpipe.calibrate.stage import calibrate

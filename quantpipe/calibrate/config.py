@@ -45,6 +45,9 @@ class CalibConfig:
     # Processes for the first pass; None: one per core for logs over 32 MiB, else in-process.
     # The output does not depend on it (so it is not a sampling parameter in the manifest).
     workers: int | None = None
+    # A Ray cluster's address (or RAY_ADDRESS): the first pass runs there through Ray Data.
+    # Like workers, it changes where the work runs, never the sets.
+    ray: str | None = None
 
     def __post_init__(self) -> None:
         self.strata = _as_list(self.strata, "strata")
@@ -82,6 +85,8 @@ class CalibConfig:
             raise StageError(f"cluster_k must be [low, high] with 2 <= low <= high, got {self.cluster_k!r}")
         if self.workers is not None and (not isinstance(self.workers, int) or not 1 <= self.workers <= 64):
             raise StageError(f"workers must be an integer from 1 to 64, got {self.workers!r}")
+        if self.ray is not None and (not isinstance(self.ray, str) or not self.ray.strip()):
+            raise StageError(f"ray must be a cluster address (host:port, ray://host:port or auto), got {self.ray!r}")
         if "label" in self.strata and not self.label_field:
             raise StageError("strata: 'label' needs label_field (the column to stratify by)")
 
@@ -106,7 +111,7 @@ class CalibConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for name in ("out", "overwrite", "workers"):  # where and how fast, not what is sampled
+        for name in ("out", "overwrite", "workers", "ray"):  # where and how fast, not what is sampled
             d.pop(name)
         return d
 

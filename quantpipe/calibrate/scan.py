@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from quantpipe.calibrate import clean, strata
-from quantpipe.calibrate.sources import LINE_FORMATS, ReadStats, Record, block_lines, open_blocks, parse_line
+from quantpipe.calibrate.sources import (
+    LINE_FORMATS,
+    ReadStats,
+    Record,
+    block_lines,
+    input_size,
+    open_blocks,
+    parse_line,
+)
 from quantpipe.calibrate.token_count import TokenCounter
 
 _CHUNK = 1024  # records featurized together (token counts and MinHash are batched)
@@ -137,11 +145,13 @@ class _Featurizer:
 
 
 def first_pass(files: list[str], formats: list[str], cfg, tokenizer, plain_keys: list[str], clustering: bool,
-               records, progress=None) -> Scan:
+               records, progress=None, ray=None) -> Scan:
     """Read every input once.
 
     `records(which, stats, keys_seen)` yields the Records of the files `which` that are
-    read in-process; `progress(lines)` is told how many lines were read so far.
+    read in-process; `progress(lines)` is told how many lines were read so far. With `ray`
+    (a connected Ray module) the line-based files are read and featurized on its cluster
+    through Ray Data; the merge, and so the result, is the same.
     """
     scan = Scan()
     feat = _Featurizer(cfg, tokenizer, plain_keys, clustering)
@@ -179,23 +189,21 @@ def first_pass(files: list[str], formats: list[str], cfg, tokenizer, plain_keys:
             scan.sig_chunks.append(out["sigs"][keep_rows])
 
     parallel = [i for i, (f, fmt) in enumerate(zip(files, formats)) if fmt in LINE_FORMATS]
-    workers = _workers(cfg, sum(os.path.getsize(files[i]) for i in parallel))
-    if workers > 1 and parallel:
-        ctx = multiprocessing.get_context("fork")
-        global _WORKER
-        _WORKER = (feat, cfg, formats)
-        try:
-            with ctx.Pool(workers, initializer=_quiet_tokenizers) as pool:
-                for out in pool.imap(_work, _line_chunks(files, parallel), chunksize=1):
-                    scan.stats.lines += out["lines"]
-                    scan.stats.torn_tail += out["torn_tail"]
-                    scan.stats.bad += out["bad"]
-                    scan.keys_seen |= out["keys_seen"]
-                    merge(out)
-                    if progress:
-                        progress(scan.stats.lines)
-        finally:
-            _WORKER = None
+    workers = _workers(cfg, sum(input_size(files[i]) for i in parallel))
+    outputs = None
+    if ray is not None and parallel:
+        outputs = _ray_outputs(ray, files, parallel, (feat, cfg, formats))
+    elif workers > 1 and parallel:
+        outputs = _pool_outputs(files, parallel, workers, (feat, cfg, formats))
+    if outputs is not None:
+        for out in outputs:
+            scan.stats.lines += out["lines"]
+            scan.stats.torn_tail += out["torn_tail"]
+            scan.stats.bad += out["bad"]
+            scan.keys_seen |= out["keys_seen"]
+            merge(out)
+            if progress:
+                progress(scan.stats.lines)
         rest = [i for i in range(len(files)) if i not in parallel]
     else:
         rest = list(range(len(files)))
@@ -230,6 +238,65 @@ def _line_chunks(files: list[str], which: list[int]) -> Iterator[tuple[int, int,
             yield i, first, block
 
 
+def _pool_outputs(files: list[str], which: list[int], workers: int, worker) -> Iterator[dict]:
+    """Blocks read here, featurized by forked processes, outputs in log order."""
+    global _WORKER
+    ctx = multiprocessing.get_context("fork")
+    _WORKER = worker
+    try:
+        with ctx.Pool(workers, initializer=_quiet_tokenizers) as pool:
+            yield from pool.imap(_work, _line_chunks(files, which), chunksize=1)
+    finally:
+        _WORKER = None
+
+
+def _ray_outputs(ray, files: list[str], which: list[int], worker) -> Iterator[dict]:
+    """The same blocks through Ray Data: one read task per file cuts it into blocks of whole
+    lines (any pyarrow filesystem path), a pool of actors across the cluster featurizes them,
+    and the outputs come back in log order (preserve_order), as the merge needs."""
+    import pickle
+
+    from ray import data as rd
+
+    ctx = rd.DataContext.get_current()
+    saved = ctx.execution_options.preserve_order
+    ctx.execution_options.preserve_order = True
+    try:
+        ds = rd.from_items([{"file": i, "path": files[i]} for i in which], override_num_blocks=len(which))
+        # Reading is decompression and line cuts, light beside featurizing: it takes no whole CPU,
+        # so every CPU can hold a featurizing actor and the reads still get scheduled.
+        ds = ds.flat_map(_read_blocks, num_cpus=0.25)
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        ds = ds.map_batches(_Featurize, fn_constructor_args=(pickle.dumps(worker),), batch_size=1,
+                            concurrency=(1, cpus), num_cpus=1)
+        for row in ds.iter_rows():
+            yield pickle.loads(row["out"])
+    finally:
+        ctx.execution_options.preserve_order = saved
+
+
+def _read_blocks(row: dict) -> list[dict]:
+    return [{"file": row["file"], "first": first, "block": block}
+            for first, block in open_blocks(row["path"], _BLOCK_BYTES)]
+
+
+class _Featurize:
+    """A Ray Data actor: the featurizer (with its tokenizer) unpickled once, then block after block."""
+
+    def __init__(self, worker: bytes):
+        import pickle
+
+        _quiet_tokenizers()
+        self.worker = pickle.loads(worker)
+
+    def __call__(self, batch: dict) -> dict:
+        import pickle
+
+        outs = [featurize_block(self.worker, int(f), int(first), bytes(block))
+                for f, first, block in zip(batch["file"], batch["first"], batch["block"])]
+        return {"out": [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in outs]}
+
+
 _WORKER = None  # (featurizer, cfg, formats): set before the pool forks, inherited by the workers
 
 
@@ -238,12 +305,16 @@ def _quiet_tokenizers() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _work(job) -> dict:
-    file, first, block = job
-    feat, cfg, formats = _WORKER
+def featurize_block(worker, file: int, first: int, block: bytes) -> dict:
+    """One block of whole lines parsed and featurized, with what reading it saw (merged by the caller)."""
+    feat, cfg, formats = worker
     stats, keys_seen = ReadStats(), set()
     records = [r for r in (parse_line(line, file, n, complete, formats[file], cfg, stats, keys_seen)
                            for n, line, complete in block_lines(first, block)) if r is not None]
     out = feat.chunk(records)
     out.update(lines=stats.lines, torn_tail=stats.torn_tail, bad=stats.bad, keys_seen=keys_seen)
     return out
+
+
+def _work(job) -> dict:
+    return featurize_block(_WORKER, *job)

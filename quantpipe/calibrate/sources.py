@@ -14,8 +14,10 @@ Parquet go through `datasets` in streaming mode, so files larger than memory wor
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from quantpipe.formats import request_log
-from quantpipe.manifest import StageError
+from quantpipe.manifest import StageError, sha256_file
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -57,21 +59,85 @@ class ReadStats:
     unanswered: int = 0  # batch inputs without an output line
 
 
+def is_uri(path: str) -> bool:
+    """An object-store or other pyarrow filesystem path (s3://bucket/key, gs://..., file:///...)."""
+    return "://" in path
+
+
+def _filesystem(uri: str):
+    from pyarrow import fs
+
+    try:
+        return fs.FileSystem.from_uri(uri)
+    except (ValueError, OSError, ImportError) as e:
+        raise StageError(f"--logs {uri}: no filesystem for this address ({e})") from None
+
+
+def _expand_uri(pattern: str) -> list[str]:
+    """A URI, or a glob in its last part, through the pyarrow filesystem its scheme names."""
+    from pyarrow import fs
+
+    filesystem, path = _filesystem(pattern)
+    prefix = pattern[: len(pattern) - len(path)] if pattern.endswith(path) else pattern.split("://")[0] + "://"
+    try:
+        if glob.has_magic(path):
+            folder, name = path.rsplit("/", 1) if "/" in path else ("", path)
+            if glob.has_magic(folder):
+                raise StageError(f"--logs {pattern}: a URI may have a wildcard in its last part only")
+            infos = filesystem.get_file_info(fs.FileSelector(folder, allow_not_found=True))
+            return sorted(prefix + i.path for i in infos
+                          if i.type == fs.FileType.File and fnmatch.fnmatchcase(i.base_name, name))
+        info = filesystem.get_file_info(path)
+    except OSError as e:
+        raise StageError(f"--logs {pattern}: cannot be listed ({e})") from None
+    if info.type != fs.FileType.File:
+        raise StageError(f"--logs {pattern}: no such file")
+    return [pattern]
+
+
 def expand_inputs(patterns: list[str]) -> list[str]:
     if not patterns:
         raise StageError("logs: give at least one input file (--logs FILE...)")
     files: list[str] = []
     for p in patterns:
-        matched = sorted(glob.glob(p)) if glob.has_magic(p) else [p]
+        if is_uri(p):
+            matched = _expand_uri(p)
+        else:
+            matched = sorted(glob.glob(p)) if glob.has_magic(p) else [p]
         if not matched:
             raise StageError(f"--logs {p}: no file matches")
         for path in matched:
+            if is_uri(path):
+                files.append(path)
+                continue
             if not os.path.isfile(path):
                 raise StageError(f"--logs {path}: no such file")
             if not os.access(path, os.R_OK):
                 raise StageError(f"--logs {path}: not readable")
             files.append(path)
     return list(dict.fromkeys(files))
+
+
+def input_size(path: str) -> int:
+    if not is_uri(path):
+        return os.path.getsize(path)
+    filesystem, p = _filesystem(path)
+    return filesystem.get_file_info(p).size or 0
+
+
+def input_sha256(path: str) -> str:
+    """sha256 of an input's stored bytes (compressed as stored); a URI is streamed through its filesystem."""
+    if not is_uri(path):
+        return sha256_file(path)
+    filesystem, p = _filesystem(path)
+    h = hashlib.sha256()
+    try:
+        with filesystem.open_input_stream(p, compression=None) as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError as e:
+        raise StageError(f"--logs {path}: cannot be read ({e})") from None
+    return h.hexdigest()
 
 
 def uncompressed_name(path: str) -> str:
@@ -82,6 +148,10 @@ def uncompressed_name(path: str) -> str:
 
 
 def _open_binary(path: str):
+    if is_uri(path):  # pyarrow decompresses too (and closes the stream with its reader)
+        filesystem, p = _filesystem(path)
+        codec = "gzip" if path.endswith(".gz") else "zstd" if path.endswith(".zst") else None
+        return filesystem.open_input_stream(p, compression=codec)
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):

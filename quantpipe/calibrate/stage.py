@@ -9,6 +9,7 @@ that were sampled.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -18,10 +19,21 @@ from pathlib import Path
 
 import numpy as np
 
+from quantpipe import distributed
 from quantpipe.calibrate import clean, report, strata
 from quantpipe.calibrate.config import CalibConfig
 from quantpipe.calibrate.scan import conversation_key, first_pass, render
-from quantpipe.calibrate.sources import BadLine, ReadStats, Record, detect_format, expand_inputs, read_batch, read_file
+from quantpipe.calibrate.sources import (
+    BadLine,
+    ReadStats,
+    Record,
+    detect_format,
+    expand_inputs,
+    input_sha256,
+    input_size,
+    read_batch,
+    read_file,
+)
 from quantpipe.formats import calib_set
 from quantpipe.formats.calib_set import CalibSet
 from quantpipe.manifest import MANIFEST_VERSION, StageError, code_version, sha256_file, staged_output
@@ -75,11 +87,14 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
     plain_keys = [k for k in keys if k != "cluster"]
     clustering = "cluster" in keys
 
+    where = distributed.address(cfg.ray)
     prog = _progress(progress)
     try:
-        scan = first_pass(files, formats, cfg, tokenizer, plain_keys, clustering,
-                          lambda which, st, ks: _records(files, formats, cfg, st, ks, which=which),
-                          progress=prog and (lambda lines: prog.update(prog.task_ids[0], completed=lines)))
+        with distributed.session(where) if where else contextlib.nullcontext() as ray:
+            scan = first_pass(files, formats, cfg, tokenizer, plain_keys, clustering,
+                              lambda which, st, ks: _records(files, formats, cfg, st, ks, which=which),
+                              progress=prog and (lambda lines: prog.update(prog.task_ids[0], completed=lines)),
+                              ray=ray)
     finally:
         if prog:
             prog.stop()
@@ -162,7 +177,7 @@ def calibrate(cfg: CalibConfig, progress: bool = False) -> CalibSet:
     calib_rows, heldout_rows = rows(calib_idx), rows(heldout_idx)
     manifest = {
         "stage": "calibrate", "manifest_version": MANIFEST_VERSION, "code_version": code_version(),
-        "inputs": [{"path": f, "sha256": sha256_file(f), "format": fmt, "bytes": os.path.getsize(f)}
+        "inputs": [{"path": f, "sha256": input_sha256(f), "format": fmt, "bytes": input_size(f)}
                    for f, fmt in zip(files, formats)],
         "parameters": cfg.to_dict(),
         "lines_read": stats.lines,

@@ -9,6 +9,7 @@ through a temporary folder, with the sha256 of every input.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quantpipe import distributed
+from quantpipe.distributed import TaskResources
 from quantpipe.eval import generation, lm_eval_suite, mc
 from quantpipe.eval.scorer import score_many
 from quantpipe.eval.stats import mean_with_se, quality_with_ci
@@ -105,9 +108,48 @@ def _memory(m: dict, artifact: str) -> dict:
             "weight_file_bytes": files}
 
 
+def suite_extras(model, tokenizer, model_arg: str | None, prompts: list[list[int]], suite: EvalSuite) -> dict:
+    """What the suite asks of one model beyond teacher-forced scoring: greedy generations,
+    multiple-choice items and lm-eval task items (compared with the baseline's by `_fill`)."""
+    g, out = suite.generation, {}
+    if prompts:
+        out["generation"] = generation.greedy(model_arg, prompts, g["max_tokens"])
+    if suite.mc["tasks"]:
+        out["mc"] = lm_eval_suite.score_mc(model, tokenizer, model_arg, suite.mc["tasks"], suite.mc["limit"])
+    if suite.lm_eval["tasks"]:
+        out["lm_eval"] = lm_eval_suite.score_tasks(model, tokenizer, model_arg, suite.lm_eval)
+    return out
+
+
+def _fill(entry: dict, scores, groups: dict, base: dict, cand: dict, suite: EvalSuite, n_texts: int,
+          calib: str) -> None:
+    """A candidate's quality sections from its scores and extras against the baseline's."""
+    q, g = suite.quality, suite.generation
+    if len(scores.texts) != n_texts:
+        raise StageError(f"--calib {calib}: {n_texts - len(scores.texts)} held-out texts are shorter than 2 tokens")
+    entry["quality"] = quality_section(scores, groups, q)
+    if "generation" in base:
+        agree = generation.agreement(base["generation"], cand["generation"])
+        entry["generation"] = {"prompts": len(base["generation"]), "max_tokens": g["max_tokens"],
+                               "exact_match": mean_with_se(agree["exact"]),
+                               "prefix_match_mean": mean_with_se(agree["prefix"])}
+    if "mc" in base:
+        for name in suite.mc["tasks"]:
+            lm_eval_suite.check_identical(base["mc"][name]["request"], cand["mc"][name]["request"], f"mc task {name}")
+        merged = {name: {"baseline": base["mc"][name], "candidate": cand["mc"][name]} for name in suite.mc["tasks"]}
+        entry["mc"] = mc.summarize(merged, "baseline", "candidate", q["bootstrap"], q["seed"])
+    if "lm_eval" in base:
+        entry["lm_eval"] = lm_eval_suite.compare(base["lm_eval"], cand["lm_eval"], q["bootstrap"], q["seed"])
+
+
 def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None = None,
-             suite: EvalSuite | None = None, scope: str = "full", overwrite: bool = False) -> dict:
-    """Write report.json and report.html into `out`; returns the report."""
+             suite: EvalSuite | None = None, scope: str = "full", overwrite: bool = False,
+             ray: str | None = None, resources: TaskResources | None = None) -> dict:
+    """Write report.json and report.html into `out`; returns the report.
+
+    `ray` (or RAY_ADDRESS): a Ray cluster's address; the held-out texts are scored in shards
+    and each model's generations and tasks run as Ray tasks there, the
+    latency A/B as one task (eval/on_ray.py). The report's numbers are the same as this process's."""
     from quantpipe.runtime.model.loader import load_model
 
     t_start = time.perf_counter()
@@ -134,53 +176,48 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
     entries = [{"name": Path(c).name, "path": str(c), "sha256": artifact_sha256(c), "scheme": m["scheme"],
                 "weights": m["weights"], "method": m["method"], "memory": _memory(m, c)}
                for c, m in zip(candidates, manifests)]
+    where = distributed.address(ray)
     phases: dict[str, float] = {}
-    if scope in ("full", "quality"):
-        t = time.perf_counter()
-        base_model, _, tokenizer = load_model(baseline, torch.float32)
-        if tokenizer is None:
-            raise StageError("--baseline: the quality suite needs the model's tokenizer")
-        prompts = generation.prompts_from(texts[: g["prompts"]], tokenizer) if g["prompts"] else []
-        base_gen = generation.greedy(baseline, prompts, g["max_tokens"]) if prompts else []
-        tasks = suite.mc["tasks"]
-        mc_base = lm_eval_suite.score_mc(base_model, tokenizer, baseline, tasks, suite.mc["limit"]) if tasks else {}
-        lm_tasks = suite.lm_eval["tasks"]
-        lm_base = lm_eval_suite.score_tasks(base_model, tokenizer, baseline, suite.lm_eval) if lm_tasks else {}
-        # Every candidate is scored in one pass over the texts, so the baseline runs once per text.
-        cand_models = [load_model(c, torch.float32)[0] for c in candidates]
-        log.info("quality: %d candidate(s) against the baseline on %d held-out texts", len(candidates), len(texts))
-        all_scores = score_many(base_model, cand_models, tokenizer, texts, max_tokens=q["max_tokens"])
-        for c, entry, cand_model, scores in zip(candidates, entries, cand_models, all_scores):
-            if len(scores.texts) != len(texts):
-                raise StageError(f"--calib {calib}: {len(texts) - len(scores.texts)} held-out texts are "
-                                 f"shorter than 2 tokens")
-            entry["quality"] = quality_section(scores, groups, q)
-            if prompts:
-                agree = generation.agreement(base_gen, generation.greedy(c, prompts, g["max_tokens"]))
-                entry["generation"] = {"prompts": len(prompts), "max_tokens": g["max_tokens"],
-                                       "exact_match": mean_with_se(agree["exact"]),
-                                       "prefix_match_mean": mean_with_se(agree["prefix"])}
-            if tasks:
-                res = lm_eval_suite.score_mc(cand_model, tokenizer, c, tasks, suite.mc["limit"])
-                for name in tasks:
-                    lm_eval_suite.check_identical(mc_base[name]["request"], res[name]["request"], f"mc task {name}")
-                merged = {name: {"baseline": mc_base[name], "candidate": res[name]} for name in tasks}
-                entry["mc"] = mc.summarize(merged, "baseline", "candidate", q["bootstrap"], q["seed"])
-            if lm_tasks:
-                entry["lm_eval"] = lm_eval_suite.compare(
-                    lm_base, lm_eval_suite.score_tasks(cand_model, tokenizer, c, suite.lm_eval),
-                    q["bootstrap"], q["seed"])
-        del base_model, cand_models, cand_model, all_scores, scores, mc_base
-        phases["quality_s"] = time.perf_counter() - t
-    if scope in ("full", "latency"):
-        from quantpipe.eval.latency import latency_ab
+    ray_info = None
+    with distributed.session(where) if where else contextlib.nullcontext() as cluster:
+        if scope in ("full", "quality"):
+            t = time.perf_counter()
+            log.info("quality: %d candidate(s) against the baseline on %d held-out texts", len(candidates), len(texts))
+            if cluster is not None:
+                from quantpipe.eval.on_ray import quality_on_ray
 
-        _release_memory()  # the servers need it: scoring 9 candidates left this process at 17 GB
-        t = time.perf_counter()
-        lat = latency_ab(baseline, candidates, rows, suite.latency)
-        for entry, section in zip(entries, lat["candidates"]):
-            entry["latency"] = section
-        phases["latency_s"] = time.perf_counter() - t
+                all_scores, base_x, cand_xs, ray_info = quality_on_ray(
+                    cluster, baseline, baseline_sha, candidates, [e["sha256"] for e in entries], texts, suite,
+                    resources or TaskResources())
+            else:
+                base_model, _, tokenizer = load_model(baseline, torch.float32)
+                if tokenizer is None:
+                    raise StageError("--baseline: the quality suite needs the model's tokenizer")
+                prompts = generation.prompts_from(texts[: g["prompts"]], tokenizer) if g["prompts"] else []
+                base_x = suite_extras(base_model, tokenizer, baseline, prompts, suite)
+                # Every candidate is scored in one pass over the texts, so the baseline runs once per text.
+                cand_models = [load_model(c, torch.float32)[0] for c in candidates]
+                all_scores = score_many(base_model, cand_models, tokenizer, texts, max_tokens=q["max_tokens"])
+                cand_xs = [suite_extras(m, tokenizer, c, prompts, suite) for m, c in zip(cand_models, candidates)]
+                del base_model, cand_models
+            for entry, scores, cand_x in zip(entries, all_scores, cand_xs):
+                _fill(entry, scores, groups, base_x, cand_x, suite, len(texts), calib)
+            del all_scores, base_x, cand_xs
+            phases["quality_s"] = time.perf_counter() - t
+        if scope in ("full", "latency"):
+            from quantpipe.eval.latency import latency_ab
+
+            _release_memory()  # the servers need it: scoring 9 candidates left this process at 17 GB
+            t = time.perf_counter()
+            if cluster is not None:
+                from quantpipe.eval.on_ray import latency_on_ray
+
+                lat = latency_on_ray(cluster, baseline, candidates, rows, suite.latency, resources or TaskResources())
+            else:
+                lat = latency_ab(baseline, candidates, rows, suite.latency)
+            for entry, section in zip(entries, lat["candidates"]):
+                entry["latency"] = section
+            phases["latency_s"] = time.perf_counter() - t
 
     report = {
         "stage": "eval", "manifest_version": MANIFEST_VERSION, "code_version": code_version(),
@@ -189,6 +226,9 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
         "heldout": heldout_info, "strata": {k: len(v) for k, v in groups.items()},
         "candidates": entries, "versions": _versions(),
     }
+    if where:
+        # Where it ran (not a quality number): the cluster, the shards, what each task declared.
+        report["ray"] = {"address": where, **(ray_info or {}), "resources": (resources or TaskResources()).to_dict()}
     with staged_output(out, overwrite=overwrite) as tmp:
         from quantpipe.eval.html import report_html
 
