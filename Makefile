@@ -18,6 +18,7 @@ CALIB_RECIPE ?= calib_sets/recipes/sample.yaml
 SCHEME     ?=
 GROUP_SIZE ?=
 METHOD     ?=
+RAY        ?=
 BITS_BUDGET ?=
 CALIB      ?=
 POLICY     ?=
@@ -59,12 +60,12 @@ demo: ## set up, serve the default model, load-test it, print the report, stop
 calibrate: $(INSTALLED) ## sample calibration + held-out sets: CALIB_RECIPE=..., LOGS=... override its logs, OUT=dir
 	$(QUANTPIPE) calibrate --recipe $(CALIB_RECIPE) $(if $(LOGS),--logs "$(LOGS)") --out $(or $(OUT),calib_sets/sample-set) --overwrite
 
-quantize: $(INSTALLED) ## the pipeline recipe RECIPE on MODEL: publishes the cheapest candidate that passes (SCHEME=... for one candidate; LOGS|CALIB, POLICY, NAME, PUBLISH=0)
+quantize: $(INSTALLED) ## the pipeline recipe RECIPE on MODEL: publishes the cheapest candidate that passes (SCHEME=... for one candidate; LOGS|CALIB, POLICY, NAME, PUBLISH=0; RAY=host:port runs it on a Ray cluster)
 	$(QUANTPIPE) pipeline $(MODEL) --recipe $(RECIPE) $(if $(SCHEME),--scheme $(SCHEME)) $(if $(METHOD),--method $(METHOD)) \
 		$(if $(GROUP_SIZE),--group-size $(GROUP_SIZE)) $(if $(BITS_BUDGET),--bits-budget $(BITS_BUDGET)) \
 		$(if $(LOGS),--logs "$(LOGS)") $(if $(CALIB),--calib $(CALIB)) $(if $(POLICY),--policy $(POLICY)) \
 		$(if $(SUITE),--suite $(SUITE)) $(if $(REGISTRY),--registry-uri $(REGISTRY)) $(if $(NAME),--name $(NAME)) \
-		$(if $(filter 0,$(PUBLISH)),--no-publish)
+		$(if $(filter 0,$(PUBLISH)),--no-publish) $(if $(RAY),--ray $(RAY))
 
 kernels: $(INSTALLED) ## verify, autotune and record the Triton kernels of ARTIFACT=dir on CUDA (INTERPRET=1: verify on CPU)
 	$(QUANTPIPE) kernels build $(or $(ARTIFACT),$(error ARTIFACT=artifacts/NAME is required)) $(if $(INTERPRET),--interpret)

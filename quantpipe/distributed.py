@@ -81,6 +81,17 @@ def session(where: str, option: str = "--ray") -> Iterator:
 CONNECT_TIMEOUT_S = 10
 
 
+def float32_model_bytes(model: str | None) -> int:
+    """A model's weights in float32, from its tensors' shapes (no tensor is read): what a task
+    that loads it declares, per copy."""
+    import math
+
+    from quantpipe.runtime.model.loader import open_lazy
+
+    lazy = open_lazy(model)
+    return 4 * sum(math.prod(lazy.shape(n)) for n in lazy.names())
+
+
 def _reachable(where: str, option: str) -> None:
     """Refuse an address nothing answers at, in seconds: ray.init itself retries for minutes."""
     import socket
@@ -102,10 +113,18 @@ def cluster_cpus(ray) -> int:
     return int(ray.cluster_resources().get("CPU", 0))
 
 
-def versioned(fn):
-    """`fn` wrapped to return (code_version(), result): what `check_version` reads on the driver."""
+def versioned(fn, cwd: str | None = None):
+    """`fn` wrapped to return (code_version(), result), what `check_version` reads on the
+    driver, and to run in `cwd`: the driver's working directory, so that the relative paths
+    a stage was given name the same files on every node (they share its storage)."""
     def run(*args, **kwargs):
-        return code_version(), fn(*args, **kwargs)
+        here = os.getcwd()
+        if cwd:
+            os.chdir(cwd)
+        try:
+            return code_version(), fn(*args, **kwargs)
+        finally:
+            os.chdir(here)
 
     run.__name__ = run.__qualname__ = fn.__name__
     run.__doc__ = fn.__doc__
@@ -137,7 +156,7 @@ class Pending:
 def submit(ray, fn, calls: list[tuple], resources: TaskResources) -> Pending:
     """`fn(*args)` for each args in `calls`, as Ray tasks declaring `resources` (not retried:
     a task that failed once on good input fails again, and a stage's error names its input)."""
-    remote = ray.remote(versioned(fn)).options(**resources.options(), max_retries=0)
+    remote = ray.remote(versioned(fn, os.getcwd())).options(**resources.options(), max_retries=0)
     return Pending(ray, fn.__name__, [remote.remote(*args) for args in calls])
 
 

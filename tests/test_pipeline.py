@@ -127,7 +127,7 @@ def test_mixed_rungs_that_differ_only_in_budget_measure_sensitivities_once(tmp_p
 
     from quantpipe.formats.artifact import model_sha256
     from quantpipe.pipeline.recipe import PipelineRecipe
-    from quantpipe.pipeline.run import Run, quantize_step
+    from quantpipe.pipeline.run import Run, quantize_all
     from quantpipe.runtime.model.loader import resolve_model_path
 
     monkeypatch.chdir(tmp_path)
@@ -138,7 +138,7 @@ def test_mixed_rungs_that_differ_only_in_budget_measure_sensitivities_once(tmp_p
     run = Run(recipe, None, "policy.yaml")
     run.src = resolve_model_path(None)
     run.src_sha, run.calib = model_sha256(run.src), sample_set
-    five, six, other = (quantize_step(run, c) for c in recipe.candidates)
+    five, six, other = quantize_all(run, recipe.candidates).values()
     manifest = {a: json.loads((a / "quantpipe.json").read_text())["mixed_precision"] for a in (five, six, other)}
     assert manifest[five]["reused_from"] is None and manifest[other]["reused_from"] is None
     assert manifest[six]["reused_from"]["artifact"] == five.name

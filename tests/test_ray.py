@@ -152,3 +152,40 @@ def test_an_unreachable_cluster_is_refused_in_seconds(tmp_path):
     with pytest.raises(StageError, match=rf"--ray 127\.0\.0\.1:{port}: no Ray cluster answers there"):
         calibrate(_calib_config([str(SAMPLE_LOG)], tmp_path / "out", ray=f"127.0.0.1:{port}"))
     assert not (tmp_path / "out").exists()
+
+
+def test_pipeline_quantizes_candidates_in_parallel_with_the_same_bytes(ray_cluster, sample_set, tmp_path,
+                                                                         monkeypatch):
+    """A plain candidate as one task and two mixed-precision rungs chained in another (the
+    second reuses the first's sensitivities, as in the local order): the same files."""
+    from quantpipe.distributed import TaskResources
+    from quantpipe.formats.artifact import model_sha256
+    from quantpipe.pipeline.recipe import PipelineRecipe
+    from quantpipe.pipeline.run import Run, quantize_all
+    from quantpipe.runtime.model.loader import resolve_model_path
+
+    probe = {"scheme": "mixed", "method": "rtn", "sensitivity_samples": 1, "sensitivity_tokens": 16}
+    recipe = PipelineRecipe.from_dict({"name": "smol", "calibrate": {"set": sample_set}, "candidates": [
+        {"scheme": "W4A16", "group_size": 64, "method": "rtn"}, dict(probe, bits_budget=5.0),
+        dict(probe, bits_budget=6.0)]})
+    out = {}
+    for where in ("local", "ray"):
+        (tmp_path / where).mkdir()
+        monkeypatch.chdir(tmp_path / where)  # artifacts/ is relative: Ray's tasks run in the driver's folder
+        run = Run(recipe, None, "policy.yaml", ray=ray_cluster if where == "ray" else None, resources=TaskResources())
+        run.src = resolve_model_path(None)
+        run.src_sha, run.calib = model_sha256(run.src), sample_set
+        out[where] = {name: _files(tmp_path / where / path) for name, path in quantize_all(run, recipe.candidates).items()}
+        assert set(run.keys.keys) == {f"quantize:{c.name}" for c in recipe.candidates}
+    assert len(out["local"]) == 3
+    for name, files in out["local"].items():
+        manifests = [json.loads(out[w][name].pop("quantpipe.json")) for w in ("local", "ray")]
+        assert out["ray"][name] == files  # weights, config, tokenizer: every byte
+        assert _untimed(manifests[1]) == _untimed(manifests[0])
+    six = json.loads((tmp_path / "ray" / "artifacts" / "smol" / recipe.candidates[2].name / "quantpipe.json").read_text())
+    assert six["mixed_precision"]["reused_from"]["artifact"] == recipe.candidates[1].name
+
+
+def _untimed(doc: dict) -> dict:
+    """A manifest without what records the run itself: its timings and peak memory."""
+    return {k: v for k, v in doc.items() if k not in ("time_s", "peak_rss_mib")}

@@ -30,6 +30,7 @@ from quantpipe.calibrate.sources import (
     Record,
     block_lines,
     input_size,
+    is_uri,
     open_blocks,
     parse_line,
 )
@@ -262,7 +263,9 @@ def _ray_outputs(ray, files: list[str], which: list[int], worker) -> Iterator[di
     saved = ctx.execution_options.preserve_order
     ctx.execution_options.preserve_order = True
     try:
-        ds = rd.from_items([{"file": i, "path": files[i]} for i in which], override_num_blocks=len(which))
+        # Paths as this process sees them (workers run elsewhere): URIs as they are, files made absolute.
+        paths = [f if is_uri(f) else os.path.abspath(f) for f in files]
+        ds = rd.from_items([{"file": i, "path": paths[i]} for i in which], override_num_blocks=len(which))
         # Reading is decompression and line cuts, light beside featurizing: it takes no whole CPU,
         # so every CPU can hold a featurizing actor and the reads still get scheduled.
         ds = ds.flat_map(_read_blocks, num_cpus=0.25)

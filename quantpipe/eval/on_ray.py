@@ -17,24 +17,14 @@ computed on other bytes than the ones the report names.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from quantpipe.distributed import TaskResources, gather, run_tasks, submit
+from quantpipe.distributed import TaskResources, float32_model_bytes, gather, run_tasks, submit
 from quantpipe.eval.scorer import QualityScores, score_many
 from quantpipe.formats.artifact import artifact_sha256, model_sha256
 from quantpipe.manifest import StageError
 
 OVERHEAD_BYTES = 1 << 30  # a worker process with torch imported, the logits of one text, the tokenizer
-
-
-def model_bytes(model: str | None) -> int:
-    """The model's weights in float32, from its tensors' shapes (no tensor is read)."""
-    from quantpipe.runtime.model.loader import open_lazy
-
-    lazy = open_lazy(model)
-    return 4 * sum(math.prod(lazy.shape(n)) for n in lazy.names())
 
 
 def _load(model: str | None, expected_sha: str, artifact: bool):
@@ -83,7 +73,7 @@ def quality_on_ray(ray, baseline: str | None, baseline_sha: str, candidates: lis
     g = suite.generation
     tokenizer = load_tokenizer(baseline)
     prompts = generation.prompts_from(texts[: g["prompts"]], tokenizer) if g["prompts"] else []
-    per_model = model_bytes(baseline)
+    per_model = float32_model_bytes(baseline)
     cpus = int(ray.cluster_resources().get("CPU", 0))
     parts = shards(len(texts), max(1, int(cpus // resources.num_cpus)))
     scoring = TaskResources(resources.num_cpus, (1 + len(candidates)) * per_model + OVERHEAD_BYTES)
@@ -117,7 +107,7 @@ def latency_on_ray(ray, baseline: str | None, candidates: list[str], rows: list[
     """The latency A/B as one task: its own node's CPUs (and GPUs, where asked), never shared with scoring."""
     from quantpipe.eval.latency import latency_ab
 
-    need = TaskResources(resources.num_cpus, (1 + len(candidates)) * model_bytes(baseline) // 2 + OVERHEAD_BYTES,
+    need = TaskResources(resources.num_cpus, (1 + len(candidates)) * float32_model_bytes(baseline) // 2 + OVERHEAD_BYTES,
                          resources.num_gpus)
     (out,) = run_tasks(ray, latency_ab, [(baseline, candidates, rows, cfg)], need)
     return out

@@ -71,6 +71,8 @@ class Run:
     last_mixed: str | None = None  # the last mixed-precision artifact: its sensitivity table may serve the next
     keys: Keys = None
     times: dict = field(default_factory=dict)
+    ray: str | None = None  # a Ray cluster's address: calibrate, quantize and eval run there
+    resources: object = None  # TaskResources each Ray task declares (CPUs; GPUs for the latency A/B)
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.recipe.name)
@@ -106,9 +108,15 @@ def model_name(model: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", stem)[:100] or DEFAULT_MODEL_NAME
 
 
-def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
+def run_pipeline(recipe: PipelineRecipe, model: str | None = None, ray: str | None = None,
+                 resources=None) -> int:
     """Exit code: 0 a candidate passed the whole gate (and was published unless publishing is
-    off), 1 every candidate judged failed, 2 none passed and at least one could not be judged."""
+    off), 1 every candidate judged failed, 2 none passed and at least one could not be judged.
+
+    `ray` (or RAY_ADDRESS): a Ray cluster's address. Calibrate reads the logs through Ray
+    Data, the candidates are quantized in parallel as Ray tasks, the eval's shards and
+    latency A/B run there; every output is the one the local run writes."""
+    from quantpipe import distributed
     from quantpipe.formats.artifact import artifact_sha256, model_sha256
     from quantpipe.gate import DEFAULT_POLICY
     from quantpipe.runtime.model.loader import resolve_model_path
@@ -124,7 +132,8 @@ def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
         except RegistryError as e:
             raise StageError(f"MODEL: {e}") from None
         click.echo(f"MODEL: re-quantizing the source model of the registered version: {model}", err=True)
-    run = Run(recipe, model, recipe.policy or str(DEFAULT_POLICY))
+    run = Run(recipe, model, recipe.policy or str(DEFAULT_POLICY), ray=distributed.address(ray),
+              resources=resources or distributed.TaskResources())
     try:
         run.src = resolve_model_path(model)
     except ValueError as e:
@@ -134,7 +143,7 @@ def run_pipeline(recipe: PipelineRecipe, model: str | None = None) -> int:
     run.calib = calibrate_step(run)
     opened = CalibSet.open(run.calib, "calibrate.set" if recipe.calib_set else "calibrate")
     run.calib_sha, run.heldout_sha = opened.sha256[calib_set.CALIB], opened.sha256[calib_set.HELDOUT]
-    artifacts = {c.name: quantize_step(run, c) for c in recipe.candidates}
+    artifacts = quantize_all(run, recipe.candidates)
     run.shas = {name: artifact_sha256(a) for name, a in artifacts.items()}
     kernels_note = kernels_step(run)
     quality = quality_step(run, artifacts)
@@ -187,6 +196,7 @@ def calibrate_step(run: Run) -> str:
         return recipe.calib_set
     out = f"calib_sets/{recipe.name}-set"
     cfg = recipe.calib_config(out=out, model=run.model)
+    cfg.ray = run.ray  # where it runs, not what it samples: not in the step's key
     files = sorted(f for pattern in cfg.logs for f in (glob.glob(pattern) or [pattern]))
     key = _key("calibrate", cfg.to_dict(), [(f, sha256_file(f)) for f in files if Path(f).is_file()], run.src_sha)
     t = run.step(1, "calibrate", f"{recipe.calib_recipe or 'recipe fields'} on {', '.join(files) or 'no logs'}")
@@ -199,28 +209,68 @@ def calibrate_step(run: Run) -> str:
     return out
 
 
-def quantize_step(run: Run, cand: Candidate) -> Path:
+def quantize_all(run: Run, candidates: list[Candidate]) -> dict[str, Path]:
+    """Every candidate's artifact, reused where its key is unchanged. Locally one after
+    another; on Ray as parallel tasks, mixed-precision candidates chained in one task so
+    that each may reuse the previous one's sensitivity table, as in the local order."""
+    jobs = []  # (candidate, key, calibration need, the mixed artifact before it) of those to quantize
+    for cand in candidates:
+        cfg = cand.config
+        need = cfg.calibration_need()  # the stage's own answer: which configurations read calibration data
+        key = _key("quantize", run.src_sha, run.calib_sha if need else None, cfg.to_dict())
+        artifact = run.artifact(cand)
+        if run.keys.fresh(f"quantize:{cand.name}", key, artifact):
+            t = run.step(2, "quantize", cand.name)
+            run.done(t, f"unchanged, reusing {artifact}", "quantize")
+        else:
+            jobs.append((cand, key, need, run.last_mixed if cfg.scheme == "mixed" else None))
+        if cfg.scheme == "mixed":  # the stage reuses it only if measured alike
+            run.last_mixed = str(artifact)
+    if run.ray and jobs:
+        _quantize_on_ray(run, jobs)
+    for cand, key, need, earlier in [] if run.ray else jobs:
+        t = run.step(2, "quantize", f"{cand.name}" + (f" (calibrated: {need})" if need else ""))
+        manifest = quantize_group(run.model, [_job(run, cand, need, earlier)])[0]
+        run.keys.record(f"quantize:{cand.name}", key)
+        _report_quantized(run, cand, manifest, t)
+    return {c.name: run.artifact(c) for c in candidates}
+
+
+def _job(run: Run, cand: Candidate, need, earlier: str | None) -> tuple:
+    return cand.config, run.calib if need else None, str(run.artifact(cand)), earlier
+
+
+def quantize_group(model: str | None, jobs: list[tuple]) -> list[dict]:
+    """`quantize` of each (config, calibration set or None, artifact path, sensitivity_from)
+    in turn; the manifests in order. A Ray task runs one group."""
     from quantpipe.quantize import quantize
 
-    artifact = run.artifact(cand)
-    cfg = cand.config
-    need = cfg.calibration_need()  # the stage's own answer: which configurations read calibration data
-    key = _key("quantize", run.src_sha, run.calib_sha if need else None, cfg.to_dict())
-    t = run.step(2, "quantize", f"{cand.name}" + (f" (calibrated: {need})" if need else ""))
-    if run.keys.fresh(f"quantize:{cand.name}", key, artifact):
-        run.done(t, f"unchanged, reusing {artifact}", "quantize")
-    else:
-        earlier = run.last_mixed if cfg.scheme == "mixed" else None  # the stage reuses it only if measured alike
-        art = quantize(run.model, cfg, run.calib if need else None, str(artifact), overwrite=True,
-                       sensitivity_from=earlier)
-        run.keys.record(f"quantize:{cand.name}", key)
-        reused = (art.manifest.get("mixed_precision") or {}).get("reused_from")
-        note = f" (sensitivities reused from {reused['artifact']})" if reused else ""
-        run.done(t, f"{art.manifest['weights']}: {art.manifest['bytes']['ratio']:.1%} of the bf16 bytes{note} -> "
-                    f"{artifact}", "quantize")
-    if cfg.scheme == "mixed":
-        run.last_mixed = str(artifact)
-    return artifact
+    return [quantize(model, cfg, calib, path, overwrite=True, sensitivity_from=earlier).manifest
+            for cfg, calib, path, earlier in jobs]
+
+
+def _report_quantized(run: Run, cand: Candidate, manifest: dict, t: float) -> None:
+    reused = (manifest.get("mixed_precision") or {}).get("reused_from")
+    note = f" (sensitivities reused from {reused['artifact']})" if reused else ""
+    run.done(t, f"{manifest['weights']}: {manifest['bytes']['ratio']:.1%} of the bf16 bytes{note} -> "
+                f"{run.artifact(cand)}", "quantize")
+
+
+def _quantize_on_ray(run: Run, jobs: list[tuple]) -> None:
+    from quantpipe import distributed
+
+    chained = [j for j in jobs if j[0].config.scheme == "mixed"]
+    groups = [[j] for j in jobs if j[0].config.scheme != "mixed"] + ([chained] if chained else [])
+    t = run.step(2, "quantize", f"{len(jobs)} candidate(s) as {len(groups)} Ray task(s) on {run.ray}")
+    # A task holds the source model in float32, its quantized copy and the calibration activations.
+    need = distributed.TaskResources(run.resources.num_cpus, 3 * distributed.float32_model_bytes(run.model) + (1 << 30))
+    calls = [(run.model, [_job(run, cand, nd, earlier) for cand, _, nd, earlier in group]) for group in groups]
+    with distributed.session(run.ray) as ray:
+        manifests = distributed.run_tasks(ray, quantize_group, calls, need)
+    for group, done in zip(groups, manifests):
+        for (cand, key, _, _), manifest in zip(group, done):
+            run.keys.record(f"quantize:{cand.name}", key)
+            _report_quantized(run, cand, manifest, t)
 
 
 def kernels_step(run: Run) -> str | None:
@@ -267,7 +317,7 @@ def quality_step(run: Run, artifacts: dict[str, Path]) -> dict:
         run.done(t, f"unchanged, reusing {out}", "eval")
         return read_report(out)
     report = evaluate([str(a) for a in artifacts.values()], run.calib, str(out), run.model, run.suite, "quality",
-                      overwrite=True)
+                      overwrite=True, ray=run.ray, resources=run.resources)
     run.keys.record("quality", key)
     run.done(t, f"wrote {out}/report.json", "eval")
     return report
@@ -285,7 +335,8 @@ def latency_and_gate(run: Run, row: dict, artifact: Path) -> tuple[int, dict]:
     if run.keys.fresh(f"latency:{row['name']}", key, lat_dir / "report.json"):
         run.done(t, f"unchanged, reusing {lat_dir}", "eval")
     else:
-        evaluate([str(artifact)], run.calib, str(lat_dir), run.model, run.suite, "latency", overwrite=True)
+        evaluate([str(artifact)], run.calib, str(lat_dir), run.model, run.suite, "latency", overwrite=True,
+                 ray=run.ray, resources=run.resources)
         run.keys.record(f"latency:{row['name']}", key)
         run.done(t, f"wrote {lat_dir}/report.json", "eval")
     combine(str(run.reports / "quality"), str(lat_dir), row["name"], str(full), overwrite=True)
