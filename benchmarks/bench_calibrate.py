@@ -2,12 +2,18 @@
 
     .venv/bin/python benchmarks/bench_calibrate.py [--lines 1000000] [--strata metadata.task,length]
     .venv/bin/python benchmarks/bench_calibrate.py --lines 100000 --strata cluster
+    .venv/bin/python benchmarks/bench_calibrate.py --keep LOG --files 20 --ray 127.0.0.1:6379
 
 Writes a request log of `--lines` chat requests (~1 KB each, six task labels with skewed
 shares, conversations of 1-3 turns; random word sequences from Python's documentation
 vocabulary) to a temporary folder, then runs `quantpipe calibrate` on it in a subprocess
 and reports its wall time and peak RSS (targets: 1M lines <= 120 s and <= 1 GB with
 metadata.task,length; 100k lines with cluster <= 180 s).
+
+`--files N` deals the log's lines round-robin into N files (after writing or reading the
+one log) and calibrates on all of them; `--ray ADDRESS` passes the cluster to calibrate,
+whose first pass then runs in Ray's worker processes: the memory columns then count the
+driver process only.
 """
 
 from __future__ import annotations
@@ -54,6 +60,20 @@ def write_log(path: str, lines: int, seed: int = 0) -> int:
     return os.path.getsize(path)
 
 
+def split(log: str, parts: int, folder: str) -> list[str]:
+    """The log's lines dealt round-robin into `parts` files."""
+    names = [os.path.join(folder, f"part-{k:03d}.jsonl") for k in range(parts)]
+    outs = [open(n, "w", encoding="utf-8") for n in names]
+    try:
+        with open(log, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                outs[i % parts].write(line)
+    finally:
+        for o in outs:
+            o.close()
+    return names
+
+
 def _tree_memory(pid: int) -> tuple[int, int]:
     """Resident and proportional (PSS) bytes of `pid` and its children, summed; (0, 0) once gone.
 
@@ -94,6 +114,8 @@ def main() -> int:
     ap.add_argument("--strata", default="metadata.task,length")
     ap.add_argument("--keep", default=None, help="write the log here and keep it (default: a temporary folder)")
     ap.add_argument("--workers", type=int, default=None, help="passed to quantpipe calibrate (default: its own)")
+    ap.add_argument("--files", type=int, default=1, help="split the log into this many files first")
+    ap.add_argument("--ray", default=None, help="a Ray cluster's address, passed to quantpipe calibrate")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         log = args.keep or os.path.join(tmp, "requests.jsonl")
@@ -103,10 +125,13 @@ def main() -> int:
         else:
             size = os.path.getsize(log)
         gen_s = time.perf_counter() - t0
-        cmd = [os.path.join(os.path.dirname(sys.executable), "quantpipe"), "calibrate", "--logs", log,
+        logs = [log] if args.files == 1 else split(log, args.files, tmp)
+        cmd = [os.path.join(os.path.dirname(sys.executable), "quantpipe"), "calibrate", "--logs", ",".join(logs),
                "--strata", args.strata, "--out", os.path.join(tmp, "set"), "--no-progress"]
         if args.workers:
             cmd += ["--workers", str(args.workers)]
+        if args.ray:
+            cmd += ["--ray", args.ray]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         peak_sum = peak_pss = 0
@@ -123,7 +148,8 @@ def main() -> int:
             return 1
         print(out.splitlines()[0])
         print(json.dumps({"lines": args.lines, "log_mib": round(size / 2**20), "strata": args.strata,
-                          "workers": args.workers or "default", "generate_s": round(gen_s, 1),
+                          "workers": args.workers or "default", "files": args.files, "ray": args.ray,
+                          "generate_s": round(gen_s, 1),
                           "calibrate_wall_s": round(wall, 1), "peak_rss_mib_largest_process": round(peak_one),
                           "peak_rss_mib_all_processes": round(peak_sum / 2**20),
                           "peak_pss_mib_all_processes": round(peak_pss / 2**20)}))
