@@ -94,9 +94,10 @@ def quality_on_ray(ray, baseline: str | None, baseline_sha: str, candidates: lis
 
 
 def latency_on_ray(ray, baseline: str | None, candidates: list[str], rows: list[dict], cfg: dict,
-                   resources: TaskResources) -> dict:
-    """The latency A/B as one task that takes a whole node: every CPU of the largest node with
-    the GPUs asked for, so no other task shares the machine it measures on."""
+                   resources: TaskResources) -> tuple[dict, dict]:
+    """(the latency A/B, what its task declared). One task that takes a whole node, every CPU
+    of the largest node with the GPUs asked for, so no other task shares the machine it
+    measures on."""
     from quantpipe.eval.latency import latency_ab
 
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU", 0) >= resources.num_gpus]
@@ -107,4 +108,4 @@ def latency_on_ray(ray, baseline: str | None, candidates: list[str], rows: list[
     need = TaskResources(max(cpus, resources.num_cpus), (1 + len(candidates)) * float32_model_bytes(baseline) // 2
                          + OVERHEAD_BYTES, resources.num_gpus)
     (out,) = run_tasks(ray, latency_ab, [(baseline, candidates, rows, cfg)], need)
-    return out
+    return out, {"latency_task": need.to_dict()}

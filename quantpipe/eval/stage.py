@@ -212,7 +212,9 @@ def evaluate(candidates: list[str], calib: str, out: str, baseline: str | None =
             if cluster is not None:
                 from quantpipe.eval.on_ray import latency_on_ray
 
-                lat = latency_on_ray(cluster, baseline, candidates, rows, suite.latency, resources or TaskResources())
+                lat, lat_info = latency_on_ray(cluster, baseline, candidates, rows, suite.latency,
+                                               resources or TaskResources())
+                ray_info = {**(ray_info or {}), **lat_info}
             else:
                 lat = latency_ab(baseline, candidates, rows, suite.latency)
             for entry, section in zip(entries, lat["candidates"]):
