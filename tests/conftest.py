@@ -139,30 +139,13 @@ def built_wheel(tmp_path_factory):
     return wheel, site, proc.stdout + proc.stderr
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A real local Ray cluster: `ray start --head` on 127.0.0.1 and one more node joined to
-    it, one CPU each (two workers); its address. Started by the first test that asks for it
-    and stopped (`ray stop`) when the session ends."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    ray = str(Path(sys.executable).with_name("ray"))
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"127.0.0.1:{port}"
-    common = ["--num-cpus", "1", "--num-gpus", "0", "--object-store-memory", str(200 << 20), "--disable-usage-stats"]
-    try:
-        subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                        "--include-dashboard", "false", *common], env=env, check=True, capture_output=True,
-                       timeout=120)
-        subprocess.run([ray, "start", "--address", address, "--node-ip-address", "127.0.0.1", *common], env=env,
-                       check=True, capture_output=True, timeout=120)
-        yield address
-    finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+@pytest.fixture(scope="session")
+def quantized_rungs(tmp_path_factory, sample_set):
+    """The pipeline's quantize step run here on a plain candidate, the 5- and 6-bit mixed
+    rungs and a rung with another probe (tests/test_pipeline.py::quantize_step): the
+    mixed-rung test reads it, and the Ray test compares its own run with it."""
+    from tests.test_pipeline import PROBE, RUNGS, quantize_step
+
+    return quantize_step(tmp_path_factory.mktemp("rungs") / "local", sample_set,
+                         RUNGS + [dict(PROBE, bits_budget=6.0, sensitivity_tokens=8, name="other-probe")])

@@ -125,7 +125,7 @@ RUNGS = [{"scheme": "W4A16", "group_size": 64, "method": "rtn"}, dict(PROBE, bit
          dict(PROBE, bits_budget=6.0)]
 
 
-def _quantize_all(folder: Path, calib: str, candidates: list[dict], ray: str | None = None) -> tuple:
+def quantize_step(folder: Path, calib: str, candidates: list[dict], ray: str | None = None) -> tuple:
     """The pipeline's quantize step in `folder` (artifacts/ is relative to it): (recipe, run,
     artifacts by name, what it printed)."""
     import contextlib
@@ -152,19 +152,12 @@ def _quantize_all(folder: Path, calib: str, candidates: list[dict], ray: str | N
     return recipe, run, artifacts, err.getvalue()
 
 
-@pytest.fixture(scope="module")
-def quantized_here(tmp_path_factory, sample_set):
-    """A plain candidate, the 5- and 6-bit mixed rungs and a rung with another probe, in this process."""
-    return _quantize_all(tmp_path_factory.mktemp("rungs") / "local", sample_set,
-                         RUNGS + [dict(PROBE, bits_budget=6.0, sensitivity_tokens=8, name="other-probe")])
-
-
-def test_mixed_rungs_that_differ_only_in_budget_measure_sensitivities_once(quantized_here):
+def test_mixed_rungs_that_differ_only_in_budget_measure_sensitivities_once(quantized_rungs):
     """The default recipe's 5- and 6-bit rungs: the second reuses the first's table (the
     stage checks it was measured alike); a rung with another probe measures its own."""
     import json
 
-    _, _, artifacts, printed = quantized_here
+    _, _, artifacts, printed = quantized_rungs
     _, five, six, other = artifacts.values()
     manifest = {a: json.loads((a / "quantpipe.json").read_text())["mixed_precision"] for a in (five, six, other)}
     assert manifest[five]["reused_from"] is None and manifest[other]["reused_from"] is None
@@ -173,25 +166,3 @@ def test_mixed_rungs_that_differ_only_in_budget_measure_sensitivities_once(quant
     assert manifest[six]["average_bits"] > manifest[five]["average_bits"]
     assert f"(sensitivities reused from {five.name})" in printed
 
-
-def test_on_ray_candidates_are_quantized_in_parallel_with_the_same_bytes(quantized_here, ray_cluster, sample_set,
-                                                                          tmp_path):
-    """On a local Ray cluster (tests/conftest.py): the plain candidate as one task and the two
-    mixed rungs chained in another (the 6-bit one reusing the 5-bit table, as in the local
-    order) write the files the local run wrote, byte for byte, and record the same keys."""
-    import json
-
-    recipe, run, artifacts, printed = _quantize_all(tmp_path / "ray", sample_set, RUNGS, ray=ray_cluster)
-    assert "3 candidate(s) as 2 Ray task(s)" in printed
-    assert set(run.keys.keys) == {f"quantize:{c.name}" for c in recipe.candidates}
-    local = quantized_here[2]
-    for name, path in artifacts.items():
-        files = {p.name: p.read_bytes() for p in sorted(path.iterdir())}
-        want = {p.name: p.read_bytes() for p in sorted(local[name].iterdir())}
-        manifests = [json.loads(f.pop("quantpipe.json")) for f in (files, want)]
-        assert files == want  # weights, config, tokenizer
-        # The manifests too, but for what records the run itself.
-        assert [{k: v for k, v in m.items() if k not in ("time_s", "peak_rss_mib")} for m in manifests][0] == \
-            {k: v for k, v in manifests[1].items() if k not in ("time_s", "peak_rss_mib")}
-    assert json.loads((artifacts[recipe.candidates[2].name] / "quantpipe.json").read_text())[
-        "mixed_precision"]["reused_from"]["artifact"] == recipe.candidates[1].name

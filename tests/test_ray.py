@@ -1,5 +1,5 @@
-"""On a real local Ray cluster (tests/conftest.py: a head on 127.0.0.1 plus one more node,
-one CPU each, so two workers):
+"""On a real local Ray cluster started here (a head on 127.0.0.1 plus one more node, one
+CPU each, so two workers) and stopped at the module's end:
 
 - calibrate over 20 log files through Ray Data writes the same sets, manifest and
   coverage page, byte for byte, as the local run;
@@ -7,14 +7,17 @@ one CPU each, so two workers):
   generations and task items in one of the shards), gives the same report numbers as the
   sequential eval in this process;
 - a task's error and an unreachable or version-mismatched cluster are refused by name.
-The pipeline's quantize step on the cluster: tests/test_pipeline.py.
+- the pipeline quantizes its candidates as parallel tasks with the same artifact bytes.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ from quantpipe.eval.suite import EvalSuite
 from quantpipe.formats.calib_set import CalibSet
 from quantpipe.manifest import StageError
 from quantpipe.quantize import QuantConfig, quantize
+from tests.test_pipeline import RUNGS, quantize_step
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_LOG = ROOT / "calib_sets" / "sample" / "requests.jsonl.gz"
@@ -36,6 +40,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real local Ray cluster: `ray start --head` on 127.0.0.1 and one more node joined to
+    it, one CPU each (two workers); its address. Stopped (`ray stop`) when this module ends:
+    Ray's daemons would otherwise take CPU from the rest of the session."""
+    ray = str(Path(sys.executable).with_name("ray"))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--num-cpus", "1", "--num-gpus", "0", "--object-store-memory", str(200 << 20), "--disable-usage-stats"]
+    try:
+        subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                        "--include-dashboard", "false", *common], env=env, check=True, capture_output=True,
+                       timeout=120)
+        subprocess.run([ray, "start", "--address", address, "--node-ip-address", "127.0.0.1", *common], env=env,
+                       check=True, capture_output=True, timeout=120)
+        yield address
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
 
 
 def _split_log(folder: Path, parts: int = 20) -> list[str]:
@@ -140,3 +167,23 @@ def test_an_unreachable_cluster_is_refused_in_seconds(tmp_path):
         calibrate(_calib_config([str(SAMPLE_LOG)], tmp_path / "out", ray=f"127.0.0.1:{port}"))
     assert not (tmp_path / "out").exists()
 
+
+def test_pipeline_quantizes_candidates_in_parallel_with_the_same_bytes(quantized_rungs, ray_cluster, sample_set,
+                                                                         tmp_path):
+    """The pipeline's quantize step: the plain candidate as one task and the two
+    mixed rungs chained in another (the 6-bit one reusing the 5-bit table, as in the local
+    order) write the files the local run wrote, byte for byte, and record the same keys."""
+    recipe, run, artifacts, printed = quantize_step(tmp_path / "ray", sample_set, RUNGS, ray=ray_cluster)
+    assert "3 candidate(s) as 2 Ray task(s)" in printed
+    assert set(run.keys.keys) == {f"quantize:{c.name}" for c in recipe.candidates}
+    local = quantized_rungs[2]
+    for name, path in artifacts.items():
+        files = {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+        want = {p.name: p.read_bytes() for p in sorted(local[name].iterdir())}
+        manifests = [json.loads(f.pop("quantpipe.json")) for f in (files, want)]
+        assert files == want  # weights, config, tokenizer
+        # The manifests too, but for what records the run itself.
+        assert [{k: v for k, v in m.items() if k not in ("time_s", "peak_rss_mib")} for m in manifests][0] == \
+            {k: v for k, v in manifests[1].items() if k not in ("time_s", "peak_rss_mib")}
+    assert json.loads((artifacts[recipe.candidates[2].name] / "quantpipe.json").read_text())[
+        "mixed_precision"]["reused_from"]["artifact"] == recipe.candidates[1].name
