@@ -50,6 +50,21 @@ class TaskResources:
         return {"num_cpus": self.num_cpus, "memory": int(self.memory), "num_gpus": self.num_gpus}
 
 
+def cli_options(what: str):
+    """`--ray`, `--ray-cpus` and `--ray-gpus` for a command whose Ray work `what` describes."""
+    import click
+
+    def add(command):
+        command = click.option("--ray-gpus", type=float, default=0.0, show_default=True,
+                               help="GPUs the latency A/B's task declares (it then runs on a GPU node)")(command)
+        command = click.option("--ray-cpus", type=float, default=1.0, show_default=True,
+                               help="CPUs each Ray task declares")(command)
+        return click.option("--ray", default=None, envvar=ENV, show_envvar=True,
+                            help=f"a Ray cluster's address: {what} ({INSTALL_HINT})")(command)
+
+    return add
+
+
 def import_ray(option: str, where: str):
     try:
         import ray

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from quantpipe import distributed
 from quantpipe.manifest import StageError
 
 
@@ -18,15 +19,10 @@ from quantpipe.manifest import StageError
 @click.option("--bootstrap", type=int, default=None, help="bootstrap replicates per CI [default: the suite's]")
 @click.option("--out", required=True, help="report folder (written only when complete)")
 @click.option("--overwrite", is_flag=True, help="replace an existing --out folder")
-@click.option("--ray", default=None, envvar="RAY_ADDRESS", show_envvar=True,
-              help="a Ray cluster's address: held-out shards, each model's tasks and the latency A/B run there as "
-                   "Ray tasks (pip install 'quantpipe[ray]'); the report's numbers are the same")
-@click.option("--ray-cpus", type=float, default=1.0, show_default=True, help="CPUs each Ray task declares")
-@click.option("--ray-gpus", type=float, default=0.0, show_default=True,
-              help="GPUs the latency A/B's task declares (it then runs on a GPU node)")
+@distributed.cli_options("held-out shards, each model's tasks and the latency A/B run there as Ray tasks; "
+                         "the report's numbers are the same")
 def eval_command(candidates, calib, baseline, suite, quality_only, latency_only, bootstrap, out, overwrite,
                  ray, ray_cpus, ray_gpus) -> int:
-    from quantpipe.distributed import TaskResources
     from quantpipe.eval.stage import evaluate
     from quantpipe.eval.suite import EvalSuite
 
@@ -39,7 +35,7 @@ def eval_command(candidates, calib, baseline, suite, quality_only, latency_only,
             s.validate()
         scope = "quality" if quality_only else "latency" if latency_only else "full"
         report = evaluate(list(candidates), calib, out, baseline, s, scope, overwrite, ray=ray,
-                          resources=TaskResources(num_cpus=ray_cpus, num_gpus=ray_gpus))
+                          resources=distributed.TaskResources(num_cpus=ray_cpus, num_gpus=ray_gpus))
     except StageError as e:
         click.echo(f"quantpipe eval: {e}", err=True)
         return 2

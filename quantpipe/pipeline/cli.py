@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import click
 
+from quantpipe import distributed
 from quantpipe.manifest import StageError
 from quantpipe.pipeline.recipe import check_name
 from quantpipe.quantize.config import CLIPS, KV_CACHES, METHODS, SCHEMES
@@ -37,22 +38,17 @@ CANDIDATE_FLAGS = ("scheme", "method", "group_size", "clip", "kv_cache", "bits_b
               help="[default: the recipe's, else MLFLOW_TRACKING_URI, else sqlite:///.quantpipe/registry.db]")
 @click.option("--publish/--no-publish", "publish_model", default=None,
               help="--no-publish stops after the gate (a CI run on a pull request) [default: the recipe's]")
-@click.option("--ray", default=None, envvar="RAY_ADDRESS", show_envvar=True,
-              help="a Ray cluster's address: calibrate reads the logs through Ray Data, candidates are quantized in "
-                   "parallel and evaluated as Ray tasks (pip install 'quantpipe[ray]'); the outputs are the same")
-@click.option("--ray-cpus", type=float, default=1.0, show_default=True, help="CPUs each Ray task declares")
-@click.option("--ray-gpus", type=float, default=0.0, show_default=True,
-              help="GPUs the latency A/B's task declares (it then runs on a GPU node)")
+@distributed.cli_options("calibrate reads the logs through Ray Data, candidates are quantized in parallel and "
+                         "evaluated as Ray tasks; the outputs are the same")
 def pipeline_command(model, recipe, name, logs, calib_recipe, calib, policy, suite, registry_uri, publish_model,
                      ray, ray_cpus, ray_gpus, **candidate) -> int:
-    from quantpipe.distributed import TaskResources
     from quantpipe.pipeline import PipelineRecipe, run_pipeline
 
     try:
         r = apply_flags(PipelineRecipe.load(recipe), name=name, logs=list(logs), calib_recipe=calib_recipe,
                         calib=calib, policy=policy, suite=suite, registry=registry_uri, publish=publish_model,
                         candidate=candidate)
-        return run_pipeline(r, model, ray=ray, resources=TaskResources(num_cpus=ray_cpus, num_gpus=ray_gpus))
+        return run_pipeline(r, model, ray=ray, resources=distributed.TaskResources(num_cpus=ray_cpus, num_gpus=ray_gpus))
     except StageError as e:
         click.echo(f"quantpipe pipeline: {e}", err=True)
         return 2
