@@ -94,6 +94,9 @@ def session(where: str, option: str = "--ray") -> Iterator:
 
 
 CONNECT_TIMEOUT_S = 10
+# What a task needs beyond the models it loads: a worker with torch imported, one text's
+# logits, a tokenizer.
+TASK_OVERHEAD_BYTES = 1 << 30
 
 
 def float32_model_bytes(model: str | None) -> int:
@@ -125,7 +128,8 @@ def _reachable(where: str, option: str) -> None:
 
 
 def cluster_cpus(ray) -> int:
-    return int(ray.cluster_resources().get("CPU", 0))
+    """The CPUs the cluster has in all (at least 1)."""
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 def versioned(fn, cwd: str | None = None):
@@ -156,48 +160,27 @@ def check_version(reply, option: str = "--ray"):
     return result
 
 
-@dataclass
-class Pending:
-    """Tasks submitted and not yet gathered."""
-
-    ray: object
-    name: str
-    refs: list
-
-    def cancel(self) -> None:
-        _cancel(self.ray, self.refs)
-
-
-def submit(ray, fn, calls: list[tuple], resources: TaskResources) -> Pending:
-    """`fn(*args)` for each args in `calls`, as Ray tasks declaring `resources` (not retried:
-    a task that failed once on good input fails again, and a stage's error names its input)."""
+def run_tasks(ray, fn, calls: list[tuple], resources: TaskResources, option: str = "--ray") -> list:
+    """`fn(*args)` for each args in `calls` as Ray tasks declaring `resources`; the results in
+    call order. Tasks are not retried: one that failed on good input fails again, and a
+    stage's error names its input. A task's StageError reaches the caller as itself; a task
+    that dies (out of memory, a lost node) is a StageError naming the task. On any failure
+    the tasks still running are cancelled."""
     remote = ray.remote(versioned(fn, os.getcwd())).options(**resources.options(), max_retries=0)
-    return Pending(ray, fn.__name__, [remote.remote(*args) for args in calls])
-
-
-def gather(pending: Pending, option: str = "--ray") -> list:
-    """The results in call order. A task's StageError reaches the caller as itself (its message
-    names the input at fault); a task that dies (out of memory, a lost node) is a StageError
-    naming the task. On any failure the tasks still running are cancelled."""
-    ray = pending.ray
+    refs = [remote.remote(*args) for args in calls]
     try:
-        return [check_version(ray.get(ref), option) for ref in pending.refs]
+        return [check_version(ray.get(ref), option) for ref in refs]
     except ray.exceptions.RayTaskError as e:
-        pending.cancel()
+        _cancel(ray, refs)
         if isinstance(e.cause, StageError):
             raise StageError(*e.cause.args) from None
-        raise StageError(f"{option}: Ray task {pending.name} failed: {_first_line(e.cause or e)}") from None
+        raise StageError(f"{option}: Ray task {fn.__name__} failed: {_first_line(e.cause or e)}") from None
     except ray.exceptions.RayError as e:
-        pending.cancel()
-        raise StageError(f"{option}: Ray task {pending.name} did not finish: {_first_line(e)}") from None
+        _cancel(ray, refs)
+        raise StageError(f"{option}: Ray task {fn.__name__} did not finish: {_first_line(e)}") from None
     except BaseException:
-        pending.cancel()
+        _cancel(ray, refs)
         raise
-
-
-def run_tasks(ray, fn, calls: list[tuple], resources: TaskResources, option: str = "--ray") -> list:
-    """submit, then gather."""
-    return gather(submit(ray, fn, calls, resources), option)
 
 
 def _cancel(ray, refs) -> None:

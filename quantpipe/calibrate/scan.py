@@ -259,6 +259,8 @@ def _ray_outputs(ray, files: list[str], which: list[int], worker) -> Iterator[di
 
     from ray import data as rd
 
+    from quantpipe.distributed import cluster_cpus
+
     ctx = rd.DataContext.get_current()
     saved = ctx.execution_options.preserve_order
     ctx.execution_options.preserve_order = True
@@ -269,9 +271,8 @@ def _ray_outputs(ray, files: list[str], which: list[int], worker) -> Iterator[di
         # Reading is decompression and line cuts, light beside featurizing: it takes no whole CPU,
         # so every CPU can hold a featurizing actor and the reads still get scheduled.
         ds = ds.flat_map(_read_blocks, num_cpus=0.25)
-        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         ds = ds.map_batches(_Featurize, fn_constructor_args=(pickle.dumps(worker),), batch_size=1,
-                            concurrency=(1, cpus), num_cpus=1)
+                            concurrency=(1, cluster_cpus(ray)), num_cpus=1)
         for row in ds.iter_rows():
             yield pickle.loads(row["out"])
     finally:

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from quantpipe.distributed import TaskResources, float32_model_bytes, run_tasks
+from quantpipe.distributed import TASK_OVERHEAD_BYTES, TaskResources, cluster_cpus, float32_model_bytes, run_tasks
 from quantpipe.eval.scorer import QualityScores, score_many
 from quantpipe.formats.artifact import artifact_sha256, model_sha256
 from quantpipe.manifest import StageError
-
-OVERHEAD_BYTES = 1 << 30  # a worker process with torch imported, the logits of one text, the tokenizer
 
 
 def _load(model: str | None, expected_sha: str, artifact: bool):
@@ -76,9 +74,9 @@ def quality_on_ray(ray, baseline: str | None, baseline_sha: str, candidates: lis
 
     g = suite.generation
     prompts = generation.prompts_from(texts[: g["prompts"]], load_tokenizer(baseline)) if g["prompts"] else []
-    cpus = int(ray.cluster_resources().get("CPU", 0))
+    cpus = cluster_cpus(ray)
     parts = shards(len(texts), max(1, int(cpus // resources.num_cpus)))
-    need = TaskResources(resources.num_cpus, (1 + len(candidates)) * float32_model_bytes(baseline) + OVERHEAD_BYTES)
+    need = TaskResources(resources.num_cpus, (1 + len(candidates)) * float32_model_bytes(baseline) + TASK_OVERHEAD_BYTES)
     models = 1 + len(candidates)
     outs = run_tasks(ray, score_shard, [(baseline, baseline_sha, candidates, shas, [texts[i] for i in part],
                                          suite.quality["max_tokens"], list(range(k, models, len(parts))), prompts,
@@ -106,6 +104,6 @@ def latency_on_ray(ray, baseline: str | None, candidates: list[str], rows: list[
     cpus = max(n.get("CPU", 0) for n in nodes)
     # Servers load in bf16 where the CPU has it: half the float32 bytes per model, all models up at once.
     need = TaskResources(max(cpus, resources.num_cpus), (1 + len(candidates)) * float32_model_bytes(baseline) // 2
-                         + OVERHEAD_BYTES, resources.num_gpus)
+                         + TASK_OVERHEAD_BYTES, resources.num_gpus)
     (out,) = run_tasks(ray, latency_ab, [(baseline, candidates, rows, cfg)], need)
     return out, {"latency_task": need.to_dict()}

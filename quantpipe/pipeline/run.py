@@ -228,11 +228,12 @@ def quantize_all(run: Run, candidates: list[Candidate]) -> dict[str, Path]:
             run.last_mixed = str(artifact)
     if run.ray and jobs:
         _quantize_on_ray(run, jobs)
-    for cand, key, need, earlier in [] if run.ray else jobs:
-        t = run.step(2, "quantize", f"{cand.name}" + (f" (calibrated: {need})" if need else ""))
-        manifest = quantize_group(run.model, [_job(run, cand, need, earlier)])[0]
-        run.keys.record(f"quantize:{cand.name}", key)
-        _report_quantized(run, cand, manifest, t)
+    else:
+        for cand, key, need, earlier in jobs:
+            t = run.step(2, "quantize", f"{cand.name}" + (f" (calibrated: {need})" if need else ""))
+            manifest = quantize_group(run.model, [_job(run, cand, need, earlier)])[0]
+            run.keys.record(f"quantize:{cand.name}", key)
+            _report_quantized(run, cand, manifest, t)
     return {c.name: run.artifact(c) for c in candidates}
 
 
@@ -263,7 +264,8 @@ def _quantize_on_ray(run: Run, jobs: list[tuple]) -> None:
     groups = [[j] for j in jobs if j[0].config.scheme != "mixed"] + ([chained] if chained else [])
     t = run.step(2, "quantize", f"{len(jobs)} candidate(s) as {len(groups)} Ray task(s) on {run.ray}")
     # A task holds the source model in float32, its quantized copy and the calibration activations.
-    need = distributed.TaskResources(run.resources.num_cpus, 3 * distributed.float32_model_bytes(run.model) + (1 << 30))
+    need = distributed.TaskResources(run.resources.num_cpus, 3 * distributed.float32_model_bytes(run.model)
+                                     + distributed.TASK_OVERHEAD_BYTES)
     calls = [(run.model, [_job(run, cand, nd, earlier) for cand, _, nd, earlier in group]) for group in groups]
     with distributed.session(run.ray) as ray:
         manifests = distributed.run_tasks(ray, quantize_group, calls, need)
