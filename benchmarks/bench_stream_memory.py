@@ -1,15 +1,16 @@
 """Peak resident memory of layer-streamed quantization against model size.
 
-Writes random Llama-architecture HF folders (bf16, 262,144-token vocabulary, hidden 1024)
-of several sizes, quantizes each to W4A16 g128 with RTN and GPTQ under `--max-memory`
-(in a child process whose data segment, RLIMIT_DATA, is capped at the same size), and prints the peak
-resident memory each run reports, with its wall time. The whole-model path runs on the
+Writes random Llama-architecture HF folders (bf16, 262,144-token vocabulary, hidden 1024
+unless `--hidden` says otherwise) of several sizes, quantizes each to W4A16 g128 with RTN and
+GPTQ under `--max-memory` (in a child process whose data segment, RLIMIT_DATA, is capped at
+the same size), and prints the peak resident memory each run reports, with its wall time. The whole-model path runs on the
 smallest model for comparison (no cap).
 
     .venv/bin/python benchmarks/bench_stream_memory.py --layers 16,64,130 --limit 1.5GB
 
-`--layers 130 --methods gptq` is the 2.5 GB GPTQ run (long: every layer costs GPTQ's column
-loop over 2,048 calibration tokens).
+`--layers 130 --methods gptq` is the 2.5 GB GPTQ run on many narrow layers (long: every layer
+costs GPTQ's column loop over 2,048 calibration tokens); `--layers 8 --hidden 2048` is the
+2.5 GB model of tests/quantize/test_stream_memory.py.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", default="16,64,130", help="decoder layers of each model")
     ap.add_argument("--limit", default="1.5GB", help="--max-memory, and the child's data-segment cap")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden (and MLP) size of every model")
     ap.add_argument("--methods", default="rtn,gptq")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     args = ap.parse_args()
@@ -43,7 +45,7 @@ def main() -> None:
         src = work / f"llama-{layers}"
         if src.exists():
             shutil.rmtree(src)
-        size = write_big_llama(src, layers)
+        size = write_big_llama(src, layers, args.hidden)
         runs = [(m, "streamed", limit) for m in args.methods.split(",")]
         if k == 0:
             runs += [(m, "whole", None) for m in args.methods.split(",")]

@@ -66,15 +66,42 @@ def search_scale(ws: list[torch.Tensor], hs: list[torch.Tensor], schemes: list[W
 
 def search_clip(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme,
                 shrinks: tuple[float, ...] = SHRINKS) -> torch.Tensor:
-    """Range shrink [N, G] per output row and group with the least output error of that group."""
+    """Range shrink [N, G] per output row and group with the least output error of that group.
+
+    Each candidate's rounding error is `w - fake_quant(w, scheme, r)` with fake_quant's own
+    arithmetic, in one reused buffer: the group ranges are taken once, and no candidate
+    allocates a weight-sized tensor (on a streamed run each such allocation is a fresh
+    mapping the kernel zeroes)."""
     n, k = w.shape
     gs = scheme.group_size or k
     g = k // gs
     blocks = torch.stack([h[i * gs:(i + 1) * gs, i * gs:(i + 1) * gs] for i in range(g)])  # [G, gs, gs]
+    grouped = w.float().reshape(n, g, gs)
+    if scheme.symmetric:
+        amax = grouped.abs().amax(-1)
+    else:
+        lo, hi = grouped.amin(-1), grouped.amax(-1)
+    span = scheme.q_max - scheme.q_min
+    d = torch.empty_like(grouped)
     best_err = torch.full((n, g), float("inf"))
     best = torch.ones(n, g)
     for r in shrinks:
-        d = (w - fake_quant(w, scheme, r)).float().view(n, g, gs)
+        # rtn.qparams, quantize and dequantize for shrink r, in place.
+        if scheme.symmetric:
+            scale, zero = ((amax * r) / (span / 2)).clamp(min=1e-10).unsqueeze(-1), None
+        else:
+            lo_r, hi_r = (lo * r).clamp(max=0), (hi * r).clamp(min=0)
+            scale = ((hi_r - lo_r) / span).clamp(min=1e-10)
+            zero = (scheme.q_min - torch.round(lo_r / scale)).clamp(scheme.q_min, scheme.q_max).unsqueeze(-1)
+            scale = scale.unsqueeze(-1)
+        torch.div(grouped, scale, out=d)
+        if zero is not None:
+            d.add_(zero)
+        d.round_().clamp_(scheme.q_min, scheme.q_max)
+        if zero is not None:
+            d.sub_(zero)
+        d.mul_(scale)
+        torch.sub(grouped, d, out=d)
         err = torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
         better = err < best_err
         best_err = torch.where(better, err, best_err)

@@ -64,7 +64,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
     else:
         scale, zero, perm = None, None, torch.arange(k)
     inv_perm = torch.argsort(perm)
-    w = w[:, perm]
+    # Transposed, [K, N]: the loop below walks the columns, and each is then a contiguous row.
+    wt = w[:, perm].t().contiguous()
     h = h[perm][:, perm]
     hinv, used = inverse_hessian_cholesky(h, dampening)
     hinv = hinv.float()
@@ -72,35 +73,51 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
     if not act_order:
         scale = torch.zeros(n, k // gs)
         zero = torch.zeros(n, k // gs) if not scheme.symmetric else None
-    q_out = torch.zeros(n, k, dtype=torch.int8)
+    q_out = torch.empty(k, n, dtype=torch.int8)
     step = max(block_size, gs) if not act_order else block_size
     per_group = WeightScheme(scheme.num_bits, None, scheme.symmetric)
     q_min, q_max = scheme.q_min, scheme.q_max
+    # Scales (and zero points) of each group as rows; in column order filled as groups start.
+    scale_t = scale.t().contiguous() if act_order else torch.zeros(k // gs, n)
+    zero_t = None if zero is None else (zero.t().contiguous() if act_order else torch.zeros(k // gs, n))
+    qf = torch.empty(step, n)  # a block's grid values
+    err1 = torch.empty(step, n)  # and its columns' errors, rows reused from block to block
+    update = torch.empty(step, n)
     for i1 in range(0, k, step):
         i2 = min(i1 + step, k)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
+        w1 = wt[i1:i2].clone()
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             if not act_order and col % gs == 0:
                 # The group's grid, from its weights as updated so far.
                 g = col // gs
-                s, z = qparams(w1[:, i:i + gs], per_group, 1.0 if shrink is None else shrink[:, g:g + 1])
+                s, z = qparams(w1[i:i + gs].t(), per_group, 1.0 if shrink is None else shrink[:, g:g + 1])
                 scale[:, g] = s[:, 0].to(scale_dtype).float()
+                scale_t[g] = scale[:, g]
                 if zero is not None:
                     zero[:, g] = z[:, 0]
+                    zero_t[g] = zero[:, g]
             # One column onto its group's grid and back: rtn.quantize and QuantWeight.dequantize's
-            # arithmetic, written out for a single column (this loop runs once per input feature).
+            # arithmetic, written out for a single column (this loop runs once per input feature),
+            # into preallocated rows.
             g = group_of[col]
-            s_col = scale[:, g:g + 1]
-            z_col = None if zero is None else zero[:, g:g + 1]
-            wc = w1[:, i:i + 1]
-            x = wc / s_col
-            qc = torch.round(x if z_col is None else x + z_col).clamp_(q_min, q_max)
-            q_out[:, col] = qc[:, 0]
-            err = (wc - (qc if z_col is None else qc - z_col) * s_col) / hinv1[i, i]
-            w1[:, i:] -= err @ hinv1[i:i + 1, i:]
-            err1[:, i:i + 1] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    return q_out[:, inv_perm].contiguous(), scale, zero, used
+            s_row, z_row = scale_t[g], None if zero_t is None else zero_t[g]
+            wc, qc, err = w1[i], qf[i], err1[i]
+            torch.div(wc, s_row, out=qc)
+            if z_row is not None:
+                qc.add_(z_row)
+            qc.round_().clamp_(q_min, q_max)
+            if z_row is None:
+                torch.mul(qc, s_row, out=err)
+            else:
+                torch.sub(qc, z_row, out=err).mul_(s_row)
+            torch.sub(wc, err, out=err).div_(hinv1[i, i])
+            rest = i2 - i1 - i - 1
+            if rest:
+                torch.mul(hinv1[i, i + 1:, None], err, out=update[:rest])
+                w1[i + 1:].sub_(update[:rest])
+        q_out[i1:i2] = qf[:i2 - i1]
+        if i2 < k:
+            wt[i2:] -= (err1[:i2 - i1].t() @ hinv[i1:i2, i2:]).t()
+    return q_out[inv_perm].t().contiguous(), scale, zero, used

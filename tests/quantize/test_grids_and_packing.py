@@ -166,6 +166,36 @@ def test_gptq_after_a_clip_search_lowers_the_output_error(act_order, bits, group
         assert torch.allclose(clipped[1], qparams(w, scheme, shrink)[0])
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (8, None)])
+def test_clip_search_is_the_plain_search_over_fake_quant(bits, group_size, symmetric):
+    """The range search rounds every candidate in one buffer; it picks exactly what comparing
+    each shrink's `fake_quant` (rtn's qparams, quantize and dequantize) by output error picks."""
+    from quantpipe.quantize.awq import fake_quant, search_clip
+    from quantpipe.quantize.stage import GPTQ_CLIP_SHRINKS
+
+    g = torch.Generator().manual_seed(11)
+    n, k = 96, 256
+    w = torch.randn(n, k, generator=g) * torch.empty(n, k).exponential_(generator=g)
+    w[:, :3] = 0  # all-zero groups' columns: the scale floor
+    x = torch.randn(1024, k, generator=g) * torch.linspace(0.2, 4, k)
+    h = 2 * x.t() @ x / len(x)
+    scheme = WeightScheme(bits, group_size, symmetric)
+    gs = group_size or k
+    blocks = torch.stack([h[i:i + gs, i:i + gs] for i in range(0, k, gs)])
+    best_err, want = None, None
+    for r in GPTQ_CLIP_SHRINKS[bits]:
+        d = (w - fake_quant(w, scheme, r)).view(n, k // gs, gs)
+        err = torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
+        if best_err is None:
+            best_err, want = err, torch.full_like(err, r)
+        else:
+            want = torch.where(err < best_err, r, want)
+            best_err = torch.minimum(err, best_err)
+    got = search_clip(w, h, scheme, GPTQ_CLIP_SHRINKS[bits])
+    assert torch.equal(got, want) and len(set(got.flatten().tolist())) > 2
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_per_channel_on_inputs_no_block_divides(act_order):
     """W8A16 per channel on the default model: K = 576 is no multiple of the 128-column block."""
