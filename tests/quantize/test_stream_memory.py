@@ -1,7 +1,9 @@
 """A model larger than the memory limit quantizes under it (`--max-memory`): each quantize
 process's data segment (`RLIMIT_DATA`: its heap, anonymous mappings and thread stacks) is
 capped at 1.5 GB by the test's own script before torch is imported. The whole-model path
-under the same cap runs out of memory: the cap binds.
+under the same cap runs out of memory: the cap binds (it stops at its first large request,
+the private mapping safetensors makes of the embedding's 1.07 GB shard, which the cap counts;
+the float32 model it would go on to build is 5.0 GB).
 
 RTN and GPTQ quantize one random Llama of 2.5 GB in bf16 (5.0 GB in float32): Gemma 3's
 262,144-token vocabulary at hidden size 2048 (untied embeddings and lm_head, 2.15 GB; the
@@ -65,8 +67,8 @@ def write_big_llama(folder: Path, layers: int, hidden: int) -> int:
         shard.clear()
 
     for name, shape in shapes.items():
-        t = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * shape[-1] ** -0.5
-        shard[name] = t.to(torch.bfloat16)
+        shard[name] = t = (torch.ones(shape, dtype=torch.bfloat16) if len(shape) == 1 else
+                           torch.randn(shape, generator=g, dtype=torch.bfloat16).mul_(shape[-1] ** -0.5))
         total += 2 * t.numel()
         if sum(2 * x.numel() for x in shard.values()) > 256 * 1000 ** 2:
             flush()
