@@ -2,7 +2,8 @@
 CPU each, so two workers) and stopped at the module's end:
 
 - calibrate over 20 log files through Ray Data writes the same sets, manifest and
-  coverage page, byte for byte, as the local run;
+  coverage page, byte for byte, as the local run, and so does a log of Parquet and CSV
+  tables;
 - an eval of 3 candidates, scored in held-out shards on the two workers (each model's
   generations and task items in one of the shards), gives the same report numbers as the
   sequential eval in this process;
@@ -30,6 +31,7 @@ from quantpipe.eval.suite import EvalSuite
 from quantpipe.formats.calib_set import CalibSet
 from quantpipe.manifest import StageError
 from quantpipe.quantize import QuantConfig, quantize
+from tests.calibrate.test_tables import files_of, table_config, write_tables
 from tests.test_pipeline import RUNGS, quantize_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,6 +116,19 @@ def test_logs_by_filesystem_uri_give_the_same_sets(tmp_path):
     assert ([i["sha256"] for i in uris.manifest["inputs"]] == [i["sha256"] for i in local.manifest["inputs"]])
     with pytest.raises(StageError, match=r"--logs file://.*/nothing-\*: no file matches"):
         calibrate(_calib_config([f"file://{tmp_path}/logs/nothing-*"], tmp_path / "none"))
+
+
+def test_parquet_and_csv_logs_through_ray_data_are_byte_identical(ray_cluster, tmp_path):
+    """Tables go through the same read tasks and featurizing actors, as blocks of rows; Parquet
+    files by file:// URI (pyarrow's filesystem layer, as for s3://) give the same sets."""
+    logs = write_tables(tmp_path / "logs")
+    local = calibrate(table_config(logs, tmp_path / "local"))
+    on_ray = calibrate(table_config(logs, tmp_path / "ray", ray=ray_cluster))
+    assert files_of(Path(on_ray.path)) == files_of(Path(local.path))
+    assert local.manifest["lines_read"] == 2500 and len(local.manifest["malformed_lines"]) == 2
+    uris = calibrate(table_config([f"file://{p}" for p in logs[:3]] + logs[3:], tmp_path / "uri", ray=ray_cluster))
+    for name in ("calib.jsonl", "heldout.jsonl"):
+        assert (Path(uris.path) / name).read_bytes() == (Path(local.path) / name).read_bytes()
 
 
 def _strip(report: dict) -> dict:

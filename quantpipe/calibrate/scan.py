@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import pickle
 from array import array
 from collections import Counter
 from collections.abc import Iterator
@@ -26,13 +27,16 @@ import numpy as np
 from quantpipe.calibrate import clean, strata
 from quantpipe.calibrate.sources import (
     LINE_FORMATS,
+    TABLE_FORMATS,
     ReadStats,
     Record,
     block_lines,
     input_size,
     is_uri,
     open_blocks,
+    open_table_blocks,
     parse_line,
+    table_records,
 )
 from quantpipe.calibrate.token_count import TokenCounter
 
@@ -151,8 +155,9 @@ def first_pass(files: list[str], formats: list[str], cfg, tokenizer, plain_keys:
 
     `records(which, stats, keys_seen)` yields the Records of the files `which` that are
     read in-process; `progress(lines)` is told how many lines were read so far. With `ray`
-    (a connected Ray module) the line-based files are read and featurized on its cluster
-    through Ray Data; the merge, and so the result, is the same.
+    (a connected Ray module) the line-based and table files are read and featurized on its
+    cluster through Ray Data; the merge, and so the result, is the same. Either way files
+    are merged in their order, Batch API files (joined across files) last.
     """
     scan = Scan()
     feat = _Featurizer(cfg, tokenizer, plain_keys, clustering)
@@ -189,7 +194,7 @@ def first_pass(files: list[str], formats: list[str], cfg, tokenizer, plain_keys:
         if keep_rows:
             scan.sig_chunks.append(out["sigs"][keep_rows])
 
-    parallel = [i for i, (f, fmt) in enumerate(zip(files, formats)) if fmt in LINE_FORMATS]
+    parallel = [i for i, fmt in enumerate(formats) if fmt in LINE_FORMATS + TABLE_FORMATS]
     workers = _workers(cfg, sum(input_size(files[i]) for i in parallel))
     outputs = None
     if ray is not None and parallel:
@@ -232,10 +237,20 @@ def _workers(cfg, line_bytes: int) -> int:
     return min(os.cpu_count() or 1, 8)
 
 
-def _line_chunks(files: list[str], which: list[int]) -> Iterator[tuple[int, int, bytes]]:
-    # Bytes, split into lines by the worker: the reading process only decompresses.
+def _blocks(path: str, fmt: str) -> Iterator[tuple[int, bytes]]:
+    """(first line or row number, block) of one file as the workers take them: a line file's
+    bytes, split into lines by the worker (the reading process only decompresses), or a
+    table's rows, pickled."""
+    if fmt in TABLE_FORMATS:
+        for first, rows in open_table_blocks(path, fmt):
+            yield first, pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
+    else:
+        yield from open_blocks(path, _BLOCK_BYTES)
+
+
+def _line_chunks(files: list[str], formats: list[str], which: list[int]) -> Iterator[tuple[int, int, bytes]]:
     for i in which:
-        for first, block in open_blocks(files[i], _BLOCK_BYTES):
+        for first, block in _blocks(files[i], formats[i]):
             yield i, first, block
 
 
@@ -246,17 +261,16 @@ def _pool_outputs(files: list[str], which: list[int], workers: int, worker) -> I
     _WORKER = worker
     try:
         with ctx.Pool(workers, initializer=_quiet_tokenizers) as pool:
-            yield from pool.imap(_work, _line_chunks(files, which), chunksize=1)
+            yield from pool.imap(_work, _line_chunks(files, worker[2], which), chunksize=1)
     finally:
         _WORKER = None
 
 
 def _ray_outputs(ray, files: list[str], which: list[int], worker) -> Iterator[dict]:
     """The same blocks through Ray Data: one read task per file cuts it into blocks of whole
-    lines (any pyarrow filesystem path), a pool of actors across the cluster featurizes them,
-    and the outputs come back in log order (preserve_order), as the merge needs."""
-    import pickle
-
+    lines or of table rows (any pyarrow filesystem path), a pool of actors across the cluster
+    featurizes them, and the outputs come back in log order (preserve_order), as the merge
+    needs."""
     from ray import data as rd
 
     from quantpipe.distributed import cluster_cpus
@@ -267,7 +281,8 @@ def _ray_outputs(ray, files: list[str], which: list[int], worker) -> Iterator[di
     try:
         # Paths as this process sees them (workers run elsewhere): URIs as they are, files made absolute.
         paths = [f if is_uri(f) else os.path.abspath(f) for f in files]
-        ds = rd.from_items([{"file": i, "path": paths[i]} for i in which], override_num_blocks=len(which))
+        ds = rd.from_items([{"file": i, "path": paths[i], "format": worker[2][i]} for i in which],
+                           override_num_blocks=len(which))
         # Reading is decompression and line cuts, light beside featurizing: it takes no whole CPU,
         # so every CPU can hold a featurizing actor and the reads still get scheduled.
         ds = ds.flat_map(_read_blocks, num_cpus=0.25)
@@ -280,22 +295,17 @@ def _ray_outputs(ray, files: list[str], which: list[int], worker) -> Iterator[di
 
 
 def _read_blocks(row: dict) -> list[dict]:
-    return [{"file": row["file"], "first": first, "block": block}
-            for first, block in open_blocks(row["path"], _BLOCK_BYTES)]
+    return [{"file": row["file"], "first": first, "block": block} for first, block in _blocks(row["path"], row["format"])]
 
 
 class _Featurize:
     """A Ray Data actor: the featurizer (with its tokenizer) unpickled once, then block after block."""
 
     def __init__(self, worker: bytes):
-        import pickle
-
         _quiet_tokenizers()
         self.worker = pickle.loads(worker)
 
     def __call__(self, batch: dict) -> dict:
-        import pickle
-
         outs = [featurize_block(self.worker, int(f), int(first), bytes(block))
                 for f, first, block in zip(batch["file"], batch["first"], batch["block"])]
         return {"out": [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in outs]}
@@ -310,11 +320,14 @@ def _quiet_tokenizers() -> None:
 
 
 def featurize_block(worker, file: int, first: int, block: bytes) -> dict:
-    """One block of whole lines parsed and featurized, with what reading it saw (merged by the caller)."""
+    """One block (`_blocks`) parsed and featurized, with what reading it saw (merged by the caller)."""
     feat, cfg, formats = worker
     stats, keys_seen = ReadStats(), set()
-    records = [r for r in (parse_line(line, file, n, complete, formats[file], cfg, stats, keys_seen)
-                           for n, line, complete in block_lines(first, block)) if r is not None]
+    if formats[file] in TABLE_FORMATS:
+        records = list(table_records(pickle.loads(block), first, file, cfg, stats, keys_seen))
+    else:
+        records = [r for r in (parse_line(line, file, n, complete, formats[file], cfg, stats, keys_seen)
+                               for n, line, complete in block_lines(first, block)) if r is not None]
     out = feat.chunk(records)
     out.update(lines=stats.lines, torn_tail=stats.torn_tail, bad=stats.bad, keys_seen=keys_seen)
     return out

@@ -8,8 +8,10 @@ Formats:
 - jsonl / csv / parquet: any table with `--text-field` (and optionally `--label-field`)
 
 JSON lines are parsed one by one (not through `datasets`' JSON builder) because a single
-malformed line must be skipped and reported by number, not abort the whole file; CSV and
-Parquet go through `datasets` in streaming mode, so files larger than memory work.
+malformed line must be skipped and reported by number, not abort the whole file. CSV and
+Parquet are read in blocks of rows, so files larger than memory work: Parquet through
+pyarrow (so any pyarrow filesystem path too), CSV through `datasets` (its type inference).
+Line blocks and row blocks are what the featurizing workers (local or on Ray) take.
 """
 
 from __future__ import annotations
@@ -211,7 +213,18 @@ def block_lines(first: int, block: bytes) -> list[tuple[int, str, bool]]:
     return out
 
 
+TEXT_FIELD_FORMATS = ("jsonl", "csv", "parquet")  # generic tables: the text is in --text-field
+
+
 def detect_format(path: str, requested: str, text_field: str | None) -> str:
+    fmt = _detect_format(path, requested, text_field)
+    if fmt in TEXT_FIELD_FORMATS and not text_field:
+        raise StageError(f"--logs {path}: a {fmt} file is a generic table and needs --text-field "
+                         "(the field that holds each record's text)")
+    return fmt
+
+
+def _detect_format(path: str, requested: str, text_field: str | None) -> str:
     if requested != "auto":
         return requested
     base = uncompressed_name(path).lower()
@@ -356,13 +369,12 @@ def parse_generic(obj: dict, file: int, line: int, text_field: str, label_field:
 def read_file(path: str, file: int, fmt: str, cfg, stats: ReadStats, keys_seen: set[str],
               only: set[int] | None = None) -> Iterator[Record]:
     """Records of one file; malformed lines go to stats.bad instead. `only`: parse just these lines."""
-    if fmt in ("csv", "parquet"):
-        yield from _read_table(path, file, fmt, cfg, stats, keys_seen, only)
+    if fmt in TABLE_FORMATS:
+        for first, rows in open_table_blocks(path, fmt):
+            yield from table_records(rows, first, file, cfg, stats, keys_seen, only)
         return
     if fmt not in LINE_FORMATS:
         raise StageError(f"format {fmt!r} cannot be read line by line")
-    if fmt == "jsonl" and not cfg.text_field:
-        raise StageError(f"--logs {path}: generic JSONL needs --text-field")
     for n, line, complete in open_lines(path):
         if only is not None and n not in only:
             continue
@@ -372,6 +384,8 @@ def read_file(path: str, file: int, fmt: str, cfg, stats: ReadStats, keys_seen: 
 
 
 LINE_FORMATS = ("request-log", "chat", "jsonl")
+TABLE_FORMATS = ("csv", "parquet")
+TABLE_ROWS = 2048  # rows per block of a CSV or Parquet file
 
 
 def parse_line(line: str, file: int, n: int, complete: bool, fmt: str, cfg, stats: ReadStats,
@@ -399,26 +413,53 @@ def parse_line(line: str, file: int, n: int, complete: bool, fmt: str, cfg, stat
     return None
 
 
-def _read_table(path: str, file: int, fmt: str, cfg, stats: ReadStats, keys_seen: set[str],
-                only: set[int] | None = None) -> Iterator[Record]:
-    if not cfg.text_field:
-        raise StageError(f"--logs {path}: a {fmt.upper()} file needs --text-field")
-    import datasets
+def open_table_blocks(path: str, fmt: str, rows: int = TABLE_ROWS) -> Iterator[tuple[int, list[dict]]]:
+    """(number of its first row, rows as dicts) of a CSV or Parquet file, `rows` at a time."""
+    import pyarrow as pa
 
-    datasets.disable_progress_bars()
     try:
-        rows = datasets.load_dataset(fmt, data_files=path, split="train", streaming=True)
-        for n, row in enumerate(rows, 1):
-            if only is not None and n not in only:
-                continue
-            stats.lines += 1
-            keys_seen.update(row)
-            try:
-                yield parse_generic(row, file, n, cfg.text_field, cfg.label_field)
-            except BadLine as e:
-                stats.bad.append((file, n, str(e)))
-    except (OSError, ValueError) as e:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            if is_uri(path):
+                filesystem, p = _filesystem(path)
+                source = filesystem.open_input_file(p)
+            else:
+                source = open(path, "rb")
+            with source:
+                first = 1
+                for batch in pq.ParquetFile(source).iter_batches(batch_size=rows):
+                    block = batch.to_pylist()
+                    yield first, block
+                    first += len(block)
+            return
+        import datasets
+
+        datasets.disable_progress_bars()
+        block, first = [], 1
+        for row in datasets.load_dataset(fmt, data_files=path, split="train", streaming=True):
+            block.append(row)
+            if len(block) == rows:
+                yield first, block
+                block, first = [], first + rows
+        if block:
+            yield first, block
+    except (OSError, ValueError, pa.ArrowException) as e:
         raise StageError(f"--logs {path}: cannot be read as {fmt} ({e})") from None
+
+
+def table_records(rows: list[dict], first: int, file: int, cfg, stats: ReadStats, keys_seen: set[str],
+                  only: set[int] | None = None) -> Iterator[Record]:
+    """The Records of a block of table rows numbered from `first`; rows without the text go to stats.bad."""
+    for n, row in enumerate(rows, first):
+        if only is not None and n not in only:
+            continue
+        stats.lines += 1
+        keys_seen.update(row)
+        try:
+            yield parse_generic(row, file, n, cfg.text_field, cfg.label_field)
+        except BadLine as e:
+            stats.bad.append((file, n, str(e)))
 
 
 def read_batch(paths: list[tuple[int, str]], stats: ReadStats, keys_seen: set[str]) -> Iterator[Record]:
