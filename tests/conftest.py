@@ -139,7 +139,6 @@ def built_wheel(tmp_path_factory):
     return wheel, site, proc.stdout + proc.stderr
 
 
-
 @pytest.fixture(scope="session")
 def quantized_rungs(tmp_path_factory, sample_set):
     """The pipeline's quantize step run here on a plain candidate, the 5- and 6-bit mixed

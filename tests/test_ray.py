@@ -93,16 +93,12 @@ def _calib_config(logs: list[str], out: Path, **kw) -> CalibConfig:
                        size=256, heldout_size=96, min_per_stratum=4, **kw)
 
 
-def _files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-
 def test_calibrate_over_20_files_through_ray_data_is_byte_identical(ray_cluster, tmp_path):
     logs = _split_log(tmp_path / "logs")
     local = calibrate(_calib_config(logs, tmp_path / "local"))
     on_ray = calibrate(_calib_config(logs, tmp_path / "ray", ray=ray_cluster))
     assert local.manifest["counts"]["calib"] == 256 and len(local.manifest["inputs"]) == 20
-    assert _files(Path(on_ray.path)) == _files(Path(local.path))
+    assert files_of(Path(on_ray.path)) == files_of(Path(local.path))
     assert "ray" not in json.loads((Path(on_ray.path) / "manifest.json").read_text())["parameters"]
 
 
@@ -193,8 +189,7 @@ def test_pipeline_quantizes_candidates_in_parallel_with_the_same_bytes(quantized
     assert set(run.keys.keys) == {f"quantize:{c.name}" for c in recipe.candidates}
     local = quantized_rungs[2]
     for name, path in artifacts.items():
-        files = {p.name: p.read_bytes() for p in sorted(path.iterdir())}
-        want = {p.name: p.read_bytes() for p in sorted(local[name].iterdir())}
+        files, want = files_of(path), files_of(local[name])
         manifests = [json.loads(f.pop("quantpipe.json")) for f in (files, want)]
         assert files == want  # weights, config, tokenizer
         # The manifests too, but for what records the run itself.

@@ -248,20 +248,21 @@ def _blocks(path: str, fmt: str) -> Iterator[tuple[int, bytes]]:
         yield from open_blocks(path, _BLOCK_BYTES)
 
 
-def _line_chunks(files: list[str], formats: list[str], which: list[int]) -> Iterator[tuple[int, int, bytes]]:
+def _file_blocks(files: list[str], formats: list[str], which: list[int]) -> Iterator[tuple[int, int, bytes]]:
     for i in which:
         for first, block in _blocks(files[i], formats[i]):
             yield i, first, block
 
 
 def _pool_outputs(files: list[str], which: list[int], workers: int, worker) -> Iterator[dict]:
-    """Blocks read here, featurized by forked processes, outputs in log order."""
+    """Blocks read here, featurized by forked processes, outputs in log order. `worker` is
+    (featurizer, cfg, formats)."""
     global _WORKER
     ctx = multiprocessing.get_context("fork")
     _WORKER = worker
     try:
         with ctx.Pool(workers, initializer=_quiet_tokenizers) as pool:
-            yield from pool.imap(_work, _line_chunks(files, worker[2], which), chunksize=1)
+            yield from pool.imap(_work, _file_blocks(files, worker[2], which), chunksize=1)
     finally:
         _WORKER = None
 

@@ -213,9 +213,6 @@ def block_lines(first: int, block: bytes) -> list[tuple[int, str, bool]]:
     return out
 
 
-TEXT_FIELD_FORMATS = ("jsonl", "csv", "parquet")  # generic tables: the text is in --text-field
-
-
 def detect_format(path: str, requested: str, text_field: str | None) -> str:
     fmt = _detect_format(path, requested, text_field)
     if fmt in TEXT_FIELD_FORMATS and not text_field:
@@ -385,6 +382,7 @@ def read_file(path: str, file: int, fmt: str, cfg, stats: ReadStats, keys_seen: 
 
 LINE_FORMATS = ("request-log", "chat", "jsonl")
 TABLE_FORMATS = ("csv", "parquet")
+TEXT_FIELD_FORMATS = ("jsonl", *TABLE_FORMATS)  # generic tables: the text is in --text-field
 TABLE_ROWS = 2048  # rows per block of a CSV or Parquet file
 
 

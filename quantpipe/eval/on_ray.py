@@ -76,8 +76,8 @@ def quality_on_ray(ray, baseline: str | None, baseline_sha: str, candidates: lis
     prompts = generation.prompts_from(texts[: g["prompts"]], load_tokenizer(baseline)) if g["prompts"] else []
     cpus = cluster_cpus(ray)
     parts = shards(len(texts), max(1, int(cpus // resources.num_cpus)))
-    need = TaskResources(resources.num_cpus, (1 + len(candidates)) * float32_model_bytes(baseline) + TASK_OVERHEAD_BYTES)
     models = 1 + len(candidates)
+    need = TaskResources(resources.num_cpus, models * float32_model_bytes(baseline) + TASK_OVERHEAD_BYTES)
     outs = run_tasks(ray, score_shard, [(baseline, baseline_sha, candidates, shas, [texts[i] for i in part],
                                          suite.quality["max_tokens"], list(range(k, models, len(parts))), prompts,
                                          suite) for k, part in enumerate(parts)], need)

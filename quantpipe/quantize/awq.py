@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from quantpipe.quantize.rtn import WeightScheme, dequantize, qparams, quantize
+from quantpipe.quantize.rtn import WeightScheme, dequantize, grid, group_ranges, qparams, quantize
 from quantpipe.runtime.model.llama import SparseMoE
 
 ALPHAS = tuple(i / 20 for i in range(20))
@@ -77,23 +77,14 @@ def search_clip(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme,
     g = k // gs
     blocks = torch.stack([h[i * gs:(i + 1) * gs, i * gs:(i + 1) * gs] for i in range(g)])  # [G, gs, gs]
     grouped = w.float().reshape(n, g, gs)
-    if scheme.symmetric:
-        amax = grouped.abs().amax(-1)
-    else:
-        lo, hi = grouped.amin(-1), grouped.amax(-1)
-    span = scheme.q_max - scheme.q_min
+    ranges = group_ranges(w, scheme)
     d = torch.empty_like(grouped)
     best_err = torch.full((n, g), float("inf"))
     best = torch.ones(n, g)
     for r in shrinks:
-        # rtn.qparams, quantize and dequantize for shrink r, in place.
-        if scheme.symmetric:
-            scale, zero = ((amax * r) / (span / 2)).clamp(min=1e-10).unsqueeze(-1), None
-        else:
-            lo_r, hi_r = (lo * r).clamp(max=0), (hi * r).clamp(min=0)
-            scale = ((hi_r - lo_r) / span).clamp(min=1e-10)
-            zero = (scheme.q_min - torch.round(lo_r / scale)).clamp(scheme.q_min, scheme.q_max).unsqueeze(-1)
-            scale = scale.unsqueeze(-1)
+        # quantize and dequantize on the grid for shrink r, in place.
+        scale, zero = grid(ranges, scheme, r)
+        scale, zero = scale.unsqueeze(-1), None if zero is None else zero.unsqueeze(-1)
         torch.div(grouped, scale, out=d)
         if zero is not None:
             d.add_(zero)

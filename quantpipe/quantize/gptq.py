@@ -56,13 +56,16 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
     if not act_order and gs < block_size and block_size % gs:
         raise ValueError(f"block_size {block_size} must be a multiple of group_size {gs}")
 
+    # Scales (and zero points) of each group as rows [G, N].
     if act_order:
-        # Scales from the original weights, fixed before any column moves (static groups).
+        # From the original weights, fixed before any column moves (static groups).
         scale, zero = qparams(w, scheme, 1.0 if shrink is None else shrink)
-        scale = scale.to(scale_dtype).float()
+        scale_t, zero_t = scale.to(scale_dtype).float().t().contiguous(), None if zero is None else zero.t().contiguous()
         perm = torch.argsort(torch.diag(h), descending=True)
     else:
-        scale, zero, perm = None, None, torch.arange(k)
+        # Filled as each group starts, from its weights as updated so far.
+        scale_t, zero_t = torch.zeros(k // gs, n), None if scheme.symmetric else torch.zeros(k // gs, n)
+        perm = torch.arange(k)
     inv_perm = torch.argsort(perm)
     # Transposed, [K, N]: the loop below walks the columns, and each is then a contiguous row.
     wt = w[:, perm].t().contiguous()
@@ -70,16 +73,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
     hinv, used = inverse_hessian_cholesky(h, dampening)
     hinv = hinv.float()
     group_of = (perm // gs).tolist()  # original group of each (permuted) column
-    if not act_order:
-        scale = torch.zeros(n, k // gs)
-        zero = torch.zeros(n, k // gs) if not scheme.symmetric else None
     q_out = torch.empty(k, n, dtype=torch.int8)
     step = max(block_size, gs) if not act_order else block_size
     per_group = WeightScheme(scheme.num_bits, None, scheme.symmetric)
     q_min, q_max = scheme.q_min, scheme.q_max
-    # Scales (and zero points) of each group as rows; in column order filled as groups start.
-    scale_t = scale.t().contiguous() if act_order else torch.zeros(k // gs, n)
-    zero_t = None if zero is None else (zero.t().contiguous() if act_order else torch.zeros(k // gs, n))
     qf = torch.empty(step, n)  # a block's grid values
     err1 = torch.empty(step, n)  # and its columns' errors, rows reused from block to block
     update = torch.empty(step, n)
@@ -93,11 +90,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
                 # The group's grid, from its weights as updated so far.
                 g = col // gs
                 s, z = qparams(w1[i:i + gs].t(), per_group, 1.0 if shrink is None else shrink[:, g:g + 1])
-                scale[:, g] = s[:, 0].to(scale_dtype).float()
-                scale_t[g] = scale[:, g]
-                if zero is not None:
-                    zero[:, g] = z[:, 0]
-                    zero_t[g] = zero[:, g]
+                scale_t[g] = s[:, 0].to(scale_dtype).float()
+                if zero_t is not None:
+                    zero_t[g] = z[:, 0]
             # One column onto its group's grid and back: rtn.quantize and QuantWeight.dequantize's
             # arithmetic, written out for a single column (this loop runs once per input feature),
             # into preallocated rows.
@@ -120,4 +115,5 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
         q_out[i1:i2] = qf[:i2 - i1]
         if i2 < k:
             wt[i2:] -= (err1[:i2 - i1].t() @ hinv[i1:i2, i2:]).t()
-    return q_out[inv_perm].t().contiguous(), scale, zero, used
+    return (q_out[inv_perm].t().contiguous(), scale_t.t().contiguous(),
+            None if zero_t is None else zero_t.t().contiguous(), used)

@@ -53,19 +53,31 @@ def _grouped(w: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
     return w.reshape(n, k // gs, gs)
 
 
-def qparams(w: torch.Tensor, scheme: WeightScheme, shrink: torch.Tensor | float = 1.0):
-    """(scale [N, G], zero [N, G] or None) for weight w [N, K]; `shrink` clips the range."""
+def group_ranges(w: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per output row and group [N, G]: (max |w|, None) when symmetric, else (min, max)."""
     g = _grouped(w.float(), scheme)
+    if scheme.symmetric:
+        return g.abs().amax(-1), None
+    return g.amin(-1), g.amax(-1)
+
+
+def grid(ranges: tuple[torch.Tensor, torch.Tensor | None], scheme: WeightScheme, shrink: torch.Tensor | float = 1.0):
+    """(scale [N, G], zero [N, G] or None) from `group_ranges`; `shrink` clips the range."""
     span = scheme.q_max - scheme.q_min
     if scheme.symmetric:
-        amax = g.abs().amax(-1) * shrink
+        amax = ranges[0] * shrink
         scale = (amax / (span / 2)).clamp(min=1e-10)
         return scale, None
-    lo = (g.amin(-1) * shrink).clamp(max=0)
-    hi = (g.amax(-1) * shrink).clamp(min=0)
+    lo = (ranges[0] * shrink).clamp(max=0)
+    hi = (ranges[1] * shrink).clamp(min=0)
     scale = ((hi - lo) / span).clamp(min=1e-10)
     zero = (scheme.q_min - torch.round(lo / scale)).clamp(scheme.q_min, scheme.q_max)
     return scale, zero
+
+
+def qparams(w: torch.Tensor, scheme: WeightScheme, shrink: torch.Tensor | float = 1.0):
+    """(scale [N, G], zero [N, G] or None) for weight w [N, K]; `shrink` clips the range."""
+    return grid(group_ranges(w, scheme), scheme, shrink)
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: WeightScheme) -> torch.Tensor:
