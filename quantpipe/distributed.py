@@ -184,10 +184,16 @@ def run_tasks(ray, fn, calls: list[tuple], resources: TaskResources, option: str
 
 
 def _cancel(ray, refs) -> None:
-    """Nothing left running on the cluster after a failure."""
-    for ref in refs:
-        with contextlib.suppress(Exception):
-            ray.cancel(ref, force=True)
+    """Nothing left running on the cluster after a failure: the tasks that have not finished
+    are cancelled. A finished one (the task whose failure is being raised) is never
+    cancelled: in Ray 2.60 cancelling a task whose reply the driver is still processing
+    aborts the driver on an internal check ("Tried to complete task that was not pending",
+    the race of ray-project/ray#54798)."""
+    with contextlib.suppress(Exception):
+        _, running = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        for ref in running:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
 
 
 def _first_line(e: BaseException) -> str:

@@ -7,7 +7,8 @@ CPU each, so two workers) and stopped at the module's end:
 - an eval of 3 candidates, scored in held-out shards on the two workers (each model's
   generations and task items in one of the shards), gives the same report numbers as the
   sequential eval in this process;
-- a task's error and an unreachable or version-mismatched cluster are refused by name.
+- a task's error and an unreachable or version-mismatched cluster are refused by name, and
+  failing tasks never abort the driver;
 - the pipeline quantizes its candidates as parallel tasks with the same artifact bytes.
 """
 
@@ -162,6 +163,34 @@ def test_a_task_error_reaches_the_driver_by_name_and_versions_must_match(ray_clu
             run_tasks(ray, len, [(3,)], TaskResources())
     with pytest.raises(StageError, match=r"a Ray worker runs quantpipe 0\.0\.0-other, this process .*same version"):
         check_version(("0.0.0-other", None))
+
+
+DRIVER_OF_FAILING_TASKS = """
+import sys
+from quantpipe.distributed import TaskResources, run_tasks, session
+from quantpipe.manifest import StageError
+refused = 0
+with session(sys.argv[1]) as ray:
+    for _ in range(int(sys.argv[2])):
+        try:
+            run_tasks(ray, len, [(3,), ([1],), (4,)], TaskResources())
+        except StageError:
+            refused += 1
+print(refused, "refused")
+"""
+
+
+def test_failing_tasks_never_abort_the_driver(ray_cluster):
+    """A driver that cancels a task whose failure it is still processing is aborted by Ray
+    2.60 (exit 1, an internal check); run_tasks cancels only what has not finished. Failing
+    runs in a driver of its own, which must live to the end (before the fix it died within
+    seconds)."""
+    rounds = 25
+    env = {**os.environ, "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
+    done = subprocess.run([sys.executable, "-c", DRIVER_OF_FAILING_TASKS, ray_cluster, str(rounds)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(rounds), "refused"]
 
 
 def test_a_latency_ab_asking_for_a_gpu_is_refused_on_a_cluster_without_one(ray_cluster, sample_set, w8a16_artifact,
