@@ -30,6 +30,8 @@ CONFIGS = {
     "w8a16-mse": dict(scheme="W8A16", clip="mse"),
     "w8a16-gptq": dict(scheme="W8A16", method="gptq", clip="minmax"),
     "w8a16-gptq-mse": dict(scheme="W8A16", method="gptq", clip="mse"),
+    "w8a16-asym": dict(scheme="W8A16", symmetric=False),
+    "w8a16-asym-gptq-mse": dict(scheme="W8A16", symmetric=False, method="gptq", clip="mse"),
     "w4g64-rtn": dict(scheme="W4A16", group_size=64),
     "w4g64-mse": dict(scheme="W4A16", group_size=64, clip="mse"),
     "w4g64-gptq": dict(scheme="W4A16", group_size=64, method="gptq", clip="minmax"),

@@ -5,9 +5,11 @@ the model as usual, then `swap_linears` replaces each quantized `nn.Linear` with
 module the artifact's format calls for. The kernel is chosen from the format, never
 guessed, and each choice is logged once at load:
 
-- `int8pack`: W8 per output channel, symmetric -> up to 16 rows quantpipe's CPU kernel
-  (csrc/int8_linear.cpp; torch._weight_int8pack_mm where it cannot be built), past that
-  the dense GEMM on the integer values
+- `int8pack`: W8 per output channel, symmetric or with a zero point per channel -> up to 16
+  rows quantpipe's CPU kernel (csrc/int8_linear.cpp, the zero point as z * sum(x) in its
+  float32 sums; torch._weight_int8pack_mm where it cannot be built, which takes symmetric
+  weights only), past that the dense GEMM on the integer values (less the zero point: exact
+  in bf16, |q - z| <= 255)
 - `int4pack`: W4 with a group size of 32/64/128/256 dividing K -> torch's CPU int4 mm
   (its zero convention, w = (u - 8) * scale + zero with a float zero, is converted from
   compressed-tensors' integer zero point at load)
@@ -88,6 +90,8 @@ class Int8PackLinear(nn.Module):
         self.out_features, self.in_features = qw.q.shape
         self.register_buffer("weight_int8", qw.q.contiguous())
         self.register_buffer("scales", qw.scale.reshape(-1).to(dtype).contiguous())
+        # Asymmetric grids: w = (q - zero) * scale, one integer zero point per output channel.
+        self.register_buffer("zeros", None if qw.zero is None else qw.zero.reshape(-1).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         # torch's int8 kernel streamed the weights at 2/3 of the rate the bf16 and int4 ones
         # reached (no prefetching); ours reads them ahead. bf16 activations on CPU only.
@@ -96,13 +100,16 @@ class Int8PackLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= INT8PACK_MAX_ROWS:
-            if self.ext is not None and x2.dtype == torch.bfloat16 and x2.is_cpu:
-                y = self.ext.int8_linear_bf16(x2, self.weight_int8, self.scales)
-            else:
-                y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x.dtype))
+        small = x2.shape[0] <= INT8PACK_MAX_ROWS
+        if small and self.ext is not None and x2.dtype == torch.bfloat16 and x2.is_cpu:
+            y = self.ext.int8_linear_bf16(x2, self.weight_int8, self.scales, self.zeros)
+        elif small and self.zeros is None:
+            y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x.dtype))
         else:  # prefill-sized: the dense GEMM on the integer values (exact in bf16), scaled per output
-            y = F.linear(x2, self.weight_int8.to(x.dtype)) * self.scales.to(x.dtype)
+            w = self.weight_int8.to(x.dtype)
+            if self.zeros is not None:  # in place: the converted copy is this call's own
+                w.sub_(self.zeros.to(x.dtype).unsqueeze(1))
+            y = F.linear(x2, w) * self.scales.to(x.dtype)
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -248,7 +255,7 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,
         return DequantLinear
     if dtype != torch.bfloat16:
         return DequantLinear
-    if qw.num_bits == 8 and qw.group_size is None and qw.zero is None:
+    if qw.num_bits == 8 and qw.group_size is None:
         return Int8PackLinear
     if qw.num_bits == 4 and qw.group_size in INT4_GROUPS and k % qw.group_size == 0 and n % 16 == 0:
         return Int4PackLinear

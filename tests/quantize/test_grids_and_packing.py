@@ -228,18 +228,22 @@ def test_gptq_retries_dampening_on_a_singular_hessian():
     assert used > 0.01 and q.shape == (8, 64)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("dtype, int8_kernel", [(torch.float32, "torch"), (torch.bfloat16, "torch"),
                                                (torch.bfloat16, "kernel")])
-def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype, int8_kernel):
+def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype, int8_kernel, symmetric):
     """Up to INT8PACK_MAX_ROWS rows an int8 kernel runs (quantpipe's CPU kernel for bf16 where
-    it is built, else torch's), past it the dense GEMM on the integer values: all compute
+    it is built, else torch's, which takes symmetric weights only: asymmetric ones go dense),
+    past it the dense GEMM on the integer values less the zero point: all compute
     x @ dequantized.T (bf16 within its rounding)."""
     from quantpipe.runtime.model.cpu_kernels import CpuKernels
     from quantpipe.runtime.model.quantized import INT8PACK_MAX_ROWS, Int8PackLinear
 
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8)
-    qw = QuantWeight(q, torch.rand(96, 1, generator=g) / 50 + 1e-3, None, 8, None)
+    # Zero points across their whole range: |q - z| reaches 255, the most bf16 holds exactly.
+    zero = None if symmetric else torch.randint(-128, 128, (96, 1), generator=g).float()
+    qw = QuantWeight(q, torch.rand(96, 1, generator=g) / 50 + 1e-3, zero, 8, None)
     lin = Int8PackLinear(qw, None, dtype, kernels=CpuKernels.parse("int8" if int8_kernel == "torch" else ""))
     if int8_kernel == "kernel":
         from quantpipe.runtime.model.quantized import int8_kernel as built
@@ -259,10 +263,12 @@ def test_int8pack_linear_is_one_function_on_both_sides_of_its_row_switch(dtype, 
         assert torch.allclose(got, ref, atol=tol * ref.abs().max(), rtol=tol), (rows, (got - ref).abs().max())
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("n, k", [(96, 576), (13, 40), (7, 1536)])  # whole blocks; N and K tails
-def test_cpu_int8_kernel_rounds_the_float32_product_once(n, k):
-    """quantpipe's int8 kernel sums in float32 and rounds to bf16 once, after the scale: at
-    most one bf16 step from the exactly rounded product (sums in another order), rarely."""
+def test_cpu_int8_kernel_rounds_the_float32_product_once(n, k, symmetric):
+    """quantpipe's int8 kernel sums in float32 and rounds to bf16 once, after the scale (and
+    after taking z * sum(x) off for a zero point z): at most one bf16 step from the exactly
+    rounded product (sums in another order), rarely."""
     from quantpipe.runtime.model.quantized import int8_kernel
 
     ext = int8_kernel()
@@ -271,10 +277,12 @@ def test_cpu_int8_kernel_rounds_the_float32_product_once(n, k):
     g = torch.Generator().manual_seed(1)
     w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(n, generator=g) / 50 + 1e-3).to(torch.bfloat16)
+    zero = None if symmetric else torch.randint(-128, 128, (n,), generator=g).float()
+    centered = w.double() if zero is None else w.double() - zero.double().unsqueeze(1)
     for rows in range(1, 10):
-        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        got = ext.int8_linear_bf16(x, w, scale)
-        exact = (x.double() @ w.double().t()) * scale.double()
+        x = (torch.randn(rows, k, generator=g) + 0.5).to(torch.bfloat16)  # sum(x) well away from 0
+        got = ext.int8_linear_bf16(x, w, scale, zero)
+        exact = (x.double() @ centered.t()) * scale.double()
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         step = exact.abs().float().clamp(min=1e-30) * 2.0**-7  # one bf16 step (upper bound)
         off = (got.float() - exact.bfloat16().float()).abs()
@@ -282,6 +290,8 @@ def test_cpu_int8_kernel_rounds_the_float32_product_once(n, k):
         assert (off > 0).float().mean() < 0.01, (rows, (off > 0).float().mean())
     with pytest.raises(RuntimeError, match="x has 3 columns"):
         ext.int8_linear_bf16(torch.zeros(1, 3, dtype=torch.bfloat16), w, scale)
+    with pytest.raises(RuntimeError, match=f"zero: contiguous float32 of size {n}"):
+        ext.int8_linear_bf16(torch.zeros(1, k, dtype=torch.bfloat16), w, scale, torch.zeros(n + 1))
 
 
 @pytest.mark.parametrize("bits, group, symmetric", [(8, None, True), (8, 32, False), (4, 32, True), (4, 64, False)])

@@ -338,7 +338,8 @@ torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::T
 // elementwise.cpp, int8_linear.cpp and packed_linear.cpp, built into the same module.
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
-torch::Tensor int8_linear_bf16(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale);
+torch::Tensor int8_linear_bf16(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
+                               const c10::optional<torch::Tensor>& zero);
 bool int8_linear_vectorized();
 torch::Tensor packed_linear_f32(const torch::Tensor& x, const torch::Tensor& weight, int64_t bits,
                                 const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& zero,
@@ -352,7 +353,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows in one pass", py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul_bf16", &silu_mul_bf16, "SiLU(gate) * up of bf16 rows in one pass",
         py::call_guard<py::gil_scoped_release>());
-  m.def("int8_linear_bf16", &int8_linear_bf16, "bf16 rows times int8 weights scaled per output channel",
+  m.def("int8_linear_bf16", &int8_linear_bf16, "bf16 rows times int8 weights (less a zero point) scaled per output channel",
+        py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("zero") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear_vectorized", &int8_linear_vectorized, "whether int8_linear_bf16 was built with AVX-512");
   m.def("packed_linear_f32", &packed_linear_f32, "float32 rows times packed int8 or 4-bit weights",
