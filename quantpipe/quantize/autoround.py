@@ -7,8 +7,9 @@ at round-to-nearest on the group's whole range (v = 0, factors 1) and are learne
 together by sign-gradient descent on the layer's output error: the layer with its
 current quantized weights, fed the quantized model's activations, against the unquantized layer's output on the unquantized model's
 activations, as a mean squared difference over a mini-batch of calibration sequences.
-Rounding passes gradients straight through. The step size decays linearly to 0, and the
-step with the least mini-batch loss is kept, as auto-round does.
+Rounding passes gradients straight through, and so does the rounding of each scale to the
+dtype the artifact stores it in: what is learned is the stored grid. The step size decays
+linearly to 0, and the step with the least mini-batch loss is kept, as auto-round does.
 
 Only the rounding and each group's range are learned, so the artifact is an ordinary
 integer grid: any kernel that reads RTN or GPTQ artifacts reads this one.
@@ -44,10 +45,14 @@ class LearnedGrid:
     max|w| / 7.5. Dequantization is q * scale either way: compressed-tensors' symmetric
     format, read by its library, vLLM and quantpipe's runtime alike."""
 
-    def __init__(self, w: torch.Tensor, scheme: WeightScheme):
+    def __init__(self, w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype | None = None):
         n, k = w.shape
         self.gs = scheme.group_size or k
         self.scheme = scheme
+        # The dtype the artifact stores scales in: learning sees the scale rounded to it, as the
+        # artifact will, or the codes recomputed against the stored scale undo some of what was
+        # learned (auto-round casts its scale to its scale_dtype inside every step too).
+        self.scale_dtype = scale_dtype
         self.w = w.detach().float().reshape(n, k // self.gs, self.gs)
         self.v = torch.zeros_like(self.w, requires_grad=True)
         self.hi = torch.ones(n, k // self.gs, requires_grad=True)
@@ -59,7 +64,7 @@ class LearnedGrid:
 
     def _grid(self, scale_dtype: torch.dtype | None):
         """(scale [N, G, 1], zero [N, G, 1] or None) with the learned factors; `scale_dtype`
-        rounds the scale as the artifact stores it (no gradient then)."""
+        rounds the scale as the artifact stores it (gradients pass the rounding straight)."""
         s = self.scheme
         lo_v = (self.w.amin(-1) * self.lo).clamp(max=0)
         hi_v = (self.w.amax(-1) * self.hi).clamp(min=0)
@@ -69,7 +74,7 @@ class LearnedGrid:
         else:
             scale = ((hi_v - lo_v) / (s.q_max - s.q_min)).clamp(min=1e-10)
         if scale_dtype is not None:
-            scale = scale.to(scale_dtype).float()
+            scale = scale + (scale.to(scale_dtype).float() - scale).detach()
         zero = None
         if not s.symmetric:
             zero = (s.q_min - _round_ste(lo_v / scale)).clamp(s.q_min, s.q_max).unsqueeze(-1)
@@ -82,7 +87,7 @@ class LearnedGrid:
 
     def weight(self) -> torch.Tensor:
         """The fake-quantized weight [N, K], differentiable in v and the factors."""
-        scale, zero = self._grid(None)
+        scale, zero = self._grid(self.scale_dtype)
         q = self._codes(scale, zero, _round_ste)
         return ((q if zero is None else q - zero) * scale).reshape(self.w.shape[0], -1)
 
@@ -153,7 +158,7 @@ def round_layer(model, i: int, schemes: dict[str, WeightScheme], seqs: list[list
     block = layer if learn_dtype == torch.float32 else copy.deepcopy(layer).to(learn_dtype)
     mods = {n: layer.get_submodule(n) for n in schemes}
     learn_mods = {n: block.get_submodule(n) for n in schemes}
-    grids = {n: LearnedGrid(m.weight, schemes[n]) for n, m in mods.items()}
+    grids = {n: LearnedGrid(m.weight, schemes[n], scale_dtype) for n, m in mods.items()}
 
     def output(pick: list[int], module, mods_, tensors, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         batch = SequenceBatch(model, [seqs[j] for j in pick], dtype)

@@ -70,8 +70,8 @@ def test_learned_rounding_lowers_a_default_model_layers_held_out_error(corpus_pr
         model, cfg, seqs, 3, WeightScheme(4, 64, symmetric), learn_on=12, iters=20, batch_size=4,
         learn_dtype=learn_dtype)
     # Measured (symmetric with bfloat16 steps / asymmetric with float32): held out, RTN 0.068 / 0.060
-    # against 0.030 / 0.033 learned; on the learning sequences, from 0.060 / 0.058 at the grid
-    # the learning starts from to 0.017 / 0.015.
+    # against 0.030 / 0.028 learned; on the learning sequences, from 0.060 / 0.058 at the grid
+    # the learning starts from to 0.016 / 0.013.
     assert report["kept"] == "learned" and report["error_learned"] < 0.5 * report["error_nearest"], report
     assert report["learn_dtype"] == str(learn_dtype).removeprefix("torch.")
     assert err_learned < 0.7 * err_nearest, (err_learned, err_nearest)
@@ -86,6 +86,26 @@ def test_learned_rounding_lowers_a_default_model_layers_held_out_error(corpus_pr
             big = torch.where(-w.amin(-1) >= w.amax(-1), w.amin(-1), w.amax(-1))
             assert torch.equal(torch.sign(start[n].scale), -torch.sign(big)) and int(qw.q.min()) == -8
             assert torch.equal(start[n].scale.abs(), (big.abs() / 8).to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_what_is_learned_is_the_weight_the_artifact_stores(symmetric):
+    """The fake-quantized weight the steps differentiate is the artifact's weight to the bit:
+    the scale rounded to the stored dtype, the codes those of the stored grid. Learning
+    against float32 scales and storing bf16 ones undid part of the learning (held-out output
+    error of the default model's layers 3, 8, 15, 22 and 29: 7-34% higher)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=g) * torch.rand(48, 1, generator=g)
+    grid = autoround.LearnedGrid(w, WeightScheme(4, 64, symmetric), torch.bfloat16)
+    with torch.no_grad():  # somewhere inside the learned ranges, off round-to-nearest
+        grid.v.copy_(torch.rand(grid.v.shape, generator=g) - 0.5)
+        grid.hi.uniform_(0.6, 1.0, generator=g)
+        grid.lo.uniform_(0.6, 1.0, generator=g)
+    stored = grid.quantized(torch.bfloat16)
+    assert torch.equal(stored.scale, stored.scale.to(torch.bfloat16).float())
+    assert torch.equal(grid.weight().detach(), stored.dequantize())
+    grid.weight().pow(2).sum().backward()  # and the factors still learn through the rounded scale
+    assert grid.hi.grad.abs().sum() > 0 and grid.lo.grad.abs().sum() > 0
 
 
 def test_learned_rounding_lowers_a_tiny_moe_layers_held_out_error(tmp_path):
