@@ -1,7 +1,8 @@
-"""Quality and size of quantized artifacts of the default model, side by side in one run.
+"""Quality and size of quantized artifacts of a model (the default one unless --model), side by
+side in one run.
 
     .venv/bin/python benchmarks/bench_quantize.py --heldout calib_sets/sample-set --calib calib_sets/sample-set \
-        [--configs w8a16,w4g64-rtn,w4g64-mse,w4g64-gptq] [--max-texts 64] [--max-tokens 256]
+        [--configs w8a16,w4g64-rtn,w4g64-mse,w4g64-gptq] [--max-texts 64] [--max-tokens 256] [--model gemma3-270m]
 
 Each config is quantized into a temporary artifact (timed), loaded in float32 (the
 dequantized path: the same function every kernel computes), and scored against the
@@ -80,6 +81,8 @@ def heldout_texts(folder: str, max_texts: int) -> tuple[list[str], list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="the source model (a name such as gemma3-270m, a GGUF or HF "
+                    "folder) [default: the default model]")
     ap.add_argument("--heldout", default=None, help="a quantpipe calibrate set: its heldout.jsonl is scored")
     ap.add_argument("--docs-sets", default=None, metavar="DIR",
                     help="build the documentation split of BENCHMARKS.md in DIR and use it for --heldout/--calib")
@@ -100,15 +103,16 @@ def main() -> int:
     from quantpipe.runtime.model.loader import load_model
 
     texts, strata = heldout_texts(args.heldout, args.max_texts)
-    base, _, tok = load_model(None, torch.float32)
-    print(json.dumps({"texts": len(texts), "max_tokens": args.max_tokens, "heldout": args.heldout}), flush=True)
+    base, _, tok = load_model(args.model, torch.float32)
+    print(json.dumps({"model": args.model, "texts": len(texts), "max_tokens": args.max_tokens,
+                      "heldout": args.heldout}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             opts = dict(CONFIGS[name], calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len)
             cfg = QuantConfig(**opts)
             out = os.path.join(tmp, name)
             t = time.perf_counter()
-            art = quantize(None, cfg, args.calib if cfg.calibration_need() else None, out)
+            art = quantize(args.model, cfg, args.calib if cfg.calibration_need() else None, out)
             quant_s = time.perf_counter() - t
             cand, _, _ = load_model(out, torch.float32)
             t = time.perf_counter()
