@@ -45,13 +45,13 @@ class LearnedGrid:
     max|w| / 7.5. Dequantization is q * scale either way: compressed-tensors' symmetric
     format, read by its library, vLLM and quantpipe's runtime alike."""
 
-    def __init__(self, w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype | None = None):
+    def __init__(self, w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype):
         n, k = w.shape
         self.gs = scheme.group_size or k
         self.scheme = scheme
-        # The dtype the artifact stores scales in: learning sees the scale rounded to it, as the
-        # artifact will, or the codes recomputed against the stored scale undo some of what was
-        # learned (auto-round casts its scale to its scale_dtype inside every step too).
+        # The dtype the artifact stores scales in, one for learning and the result: learning
+        # sees the scale rounded to it, or the codes recomputed against the stored scale undo
+        # some of what was learned (auto-round casts its scale to its scale_dtype in every step).
         self.scale_dtype = scale_dtype
         self.w = w.detach().float().reshape(n, k // self.gs, self.gs)
         self.v = torch.zeros_like(self.w, requires_grad=True)
@@ -62,9 +62,9 @@ class LearnedGrid:
     def params(self) -> list[torch.Tensor]:
         return [self.v, self.hi, self.lo]
 
-    def _grid(self, scale_dtype: torch.dtype | None):
-        """(scale [N, G, 1], zero [N, G, 1] or None) with the learned factors; `scale_dtype`
-        rounds the scale as the artifact stores it (gradients pass the rounding straight)."""
+    def _grid(self):
+        """(scale [N, G, 1], zero [N, G, 1] or None) with the learned factors, the scale rounded
+        as the artifact stores it (gradients pass the rounding straight)."""
         s = self.scheme
         lo_v = (self.w.amin(-1) * self.lo).clamp(max=0)
         hi_v = (self.w.amax(-1) * self.hi).clamp(min=0)
@@ -73,8 +73,7 @@ class LearnedGrid:
             scale = torch.where(scale < 0, scale.clamp(max=-1e-10), scale.clamp(min=1e-10))
         else:
             scale = ((hi_v - lo_v) / (s.q_max - s.q_min)).clamp(min=1e-10)
-        if scale_dtype is not None:
-            scale = scale + (scale.to(scale_dtype).float() - scale).detach()
+        scale = scale + (scale.to(self.scale_dtype).float() - scale).detach()
         zero = None
         if not s.symmetric:
             zero = (s.q_min - _round_ste(lo_v / scale)).clamp(s.q_min, s.q_max).unsqueeze(-1)
@@ -87,7 +86,7 @@ class LearnedGrid:
 
     def weight(self) -> torch.Tensor:
         """The fake-quantized weight [N, K], differentiable in v and the factors."""
-        scale, zero = self._grid(self.scale_dtype)
+        scale, zero = self._grid()
         q = self._codes(scale, zero, _round_ste)
         return ((q if zero is None else q - zero) * scale).reshape(self.w.shape[0], -1)
 
@@ -111,9 +110,9 @@ class LearnedGrid:
             p.copy_(v)
 
     @torch.no_grad()
-    def quantized(self, scale_dtype: torch.dtype) -> QuantWeight:
+    def quantized(self) -> QuantWeight:
         """The integer grid: the scale as the artifact stores it, q rounded with the learned offsets."""
-        scale, zero = self._grid(scale_dtype)
+        scale, zero = self._grid()
         q = self._codes(scale, zero, torch.round).to(torch.int8).reshape(self.w.shape[0], -1)
         return QuantWeight(q, scale.squeeze(-1), None if zero is None else zero.squeeze(-1),
                            self.scheme.num_bits, self.scheme.group_size)
@@ -175,7 +174,7 @@ def round_layer(model, i: int, schemes: dict[str, WeightScheme], seqs: list[list
                 total += (out - y).pow(2).sum().item()
         return total / sum(y.numel() for y in ys)
 
-    nearest = {n: g.quantized(scale_dtype) for n, g in grids.items()}
+    nearest = {n: g.quantized() for n, g in grids.items()}
     gen = torch.Generator().manual_seed(seed)
     lr = 1.0 / iters
     best_loss, best_step, best = float("inf"), -1, None
@@ -195,7 +194,7 @@ def round_layer(model, i: int, schemes: dict[str, WeightScheme], seqs: list[list
     else:
         for n, g in grids.items():
             g.load(best[n])
-        learned = {n: g.quantized(scale_dtype) for n, g in grids.items()}
+        learned = {n: g.quantized() for n, g in grids.items()}
         err_nearest, err_learned = error(nearest), error(learned)
         kept = "learned" if err_learned <= err_nearest else "nearest"
     report = {"error_nearest": err_nearest, "error_learned": err_learned, "best_step": best_step, "kept": kept,

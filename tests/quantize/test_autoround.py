@@ -55,7 +55,7 @@ def _learn_one_layer(model, cfg, seqs: list[list[int]], i: int, scheme: WeightSc
     nearest = {n: QuantWeight(*rtn(m.weight, scheme), scheme.num_bits, scheme.group_size) for n, m in mods.items()}
     held = (passes[learn_on:], xs[learn_on:], ys[learn_on:])
     return (found.report, _held_out_error(mods, nearest, *held, i), _held_out_error(mods, found.weights, *held, i),
-            found.weights, {n: autoround.LearnedGrid(m.weight, scheme).quantized(torch.bfloat16)
+            found.weights, {n: autoround.LearnedGrid(m.weight, scheme, torch.bfloat16).quantized()
                             for n, m in mods.items()})
 
 
@@ -101,7 +101,7 @@ def test_what_is_learned_is_the_weight_the_artifact_stores(symmetric):
         grid.v.copy_(torch.rand(grid.v.shape, generator=g) - 0.5)
         grid.hi.uniform_(0.6, 1.0, generator=g)
         grid.lo.uniform_(0.6, 1.0, generator=g)
-    stored = grid.quantized(torch.bfloat16)
+    stored = grid.quantized()
     assert torch.equal(stored.scale, stored.scale.to(torch.bfloat16).float())
     assert torch.equal(grid.weight().detach(), stored.dequantize())
     grid.weight().pow(2).sum().backward()  # and the factors still learn through the rounded scale
