@@ -41,6 +41,17 @@ CONFIGS = {
     "w4g32-asym-rtn": dict(scheme="W4A16", group_size=32, symmetric=False),
     "w8a8-sq": dict(scheme="W8A8"),
     "w8a8-gptq-sq": dict(scheme="W8A8", method="gptq", clip="minmax"),
+    "w8a8-gptq-sq-mse": dict(scheme="W8A8", method="gptq"),
+    "w8a8-rtn": dict(scheme="W8A8", smoothquant_alpha=None),
+    "w8a8-r1": dict(scheme="W8A8", smoothquant_alpha=None, rotations=("R1",)),
+    "w8a8-r4": dict(scheme="W8A8", smoothquant_alpha=None, rotations=("R4",)),
+    "w8a8-r1r4": dict(scheme="W8A8", smoothquant_alpha=None, rotations=("R1", "R4")),
+    "w8a8-r1r4-h512": dict(scheme="W8A8", smoothquant_alpha=None, rotations=("R1", "R4"), hadamard_block_size=512),
+    "w8a8-r1r4-h32": dict(scheme="W8A8", smoothquant_alpha=None, rotations=("R1", "R4"), hadamard_block_size=32),
+    "w8a8-sq-r1r4": dict(scheme="W8A8", rotations=("R1", "R4")),
+    "w8a8-gptq-r1r4": dict(scheme="W8A8", method="gptq", smoothquant_alpha=None, rotations=("R1", "R4")),
+    "w4g64-gptq-mse-r1r4": dict(scheme="W4A16", group_size=64, method="gptq", rotations=("R1", "R4")),
+    "w8a16-asym-gptq-mse-r1r4": dict(scheme="W8A16", symmetric=False, method="gptq", rotations=("R1", "R4")),
 }
 
 

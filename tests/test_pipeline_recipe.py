@@ -41,6 +41,8 @@ NON_DEFAULT = {
     "kv_cache": ({"kv_cache": "fp8"}, "fp8"),
     "kv_cache_strategy": ({"kv_cache": "int8", "kv_cache_strategy": "channel"}, "channel"),
     "calibrate_all_experts": ({"method": "gptq", "calibrate_all_experts": True}, True),
+    "rotations": ({"rotations": ["r4", "R1"]}, ("R1", "R4")),
+    "hadamard_block_size": ({"rotations": ["R4"], "hadamard_block_size": 64}, 64),
 }
 
 

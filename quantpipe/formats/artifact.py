@@ -15,6 +15,10 @@ kernels build, eval, gate and publish all go through it.
   nothing: its scales are computed as tokens are cached, on the runtime's own grid
   (kv_cache.py: symmetric per token and KV head, in a rotated basis), as vLLM lays out
   its own per-token cache; quantpipe writes `symmetric: true` and reads either.
+- **Rotations.** `transform_config` (compressed-tensors' TransformConfig) records the
+  orthogonal transforms applied before quantizing (QuaRot / SpinQuant's R1 and R4): those
+  folded into weights need nothing more; those applied to activations at run time store
+  their matrices per module (`read_transforms`), re-checked as rotations when read.
 - **Identity.** `artifact_sha256` hashes the files that define the model (weights, config,
   tokenizer), not quantpipe.json (the manifest, which records timings) nor kernels.json
   (the kernel choices, rebuilt per device): the eval report, the gate verdict and the
@@ -126,6 +130,7 @@ def validate(qcfg: dict) -> None:
         if w.get("actorder") == "group":
             raise ValueError(f"quantization_config.config_groups.{name}.weights.actorder 'group' (g_idx) is not "
                              f"supported; 'weight' is")
+    _transform_groups(qcfg)
 
 
 def kv_cache_kind(qcfg: dict) -> tuple[str, bool]:
@@ -250,6 +255,126 @@ def kv_scale_tensors(scales: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[st
     """Static KV scales per layer (K, V) under the names `kv_cache_format` reads."""
     return {f"model.layers.{i}.self_attn.{t}": s.float().contiguous()
             for i, pair in enumerate(scales) for t, s in zip(("k_scale", "v_scale"), pair)}
+
+
+# -- rotations: compressed-tensors' transform_config -------------------------------------
+# A rotation folded into the weights (`weight_input` / `weight_output`) is recorded and needs
+# nothing at run time; one applied to activations (`input` / `output`, "online") stores its
+# matrix per module as `<module>.<scheme>_<location>.weight`, the names compressed-tensors and
+# vLLM give it. `hadamard` stores Sylvester's +-1 matrix of size head_dim (applied scaled by
+# 1/sqrt(size), block by block); `random-matrix` stores the orthogonal matrix itself.
+TRANSFORM_TYPES = ("hadamard", "random-matrix")
+TRANSFORM_LOCATIONS = ("input", "output", "weight_input", "weight_output")
+_TRANSFORM_TENSOR = re.compile(r"^(.*)\.([A-Za-z0-9]+)_(input|output)\.weight$")
+
+
+def sylvester_hadamard(size: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of a power-of-two size, entries +-1 (float32)."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {size}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+@dataclass
+class OnlineTransform:
+    """A rotation of one module's activations at run time: x -> x @ M (`inverse`: x @ M^T),
+    M orthogonal [b, b] applied to each block of b channels; `location` "input" rotates what the
+    module reads, "output" what it returns."""
+
+    module: str  # the checkpoint's module name
+    location: str
+    matrix: torch.Tensor  # float32, orthogonal
+    inverse: bool
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matrix.device != x.device:
+            self.matrix = self.matrix.to(x.device)
+        m = self.matrix.T if self.inverse else self.matrix
+        b = m.shape[0]
+        return (x.float().unflatten(-1, (-1, b)) @ m).flatten(-2).to(x.dtype)
+
+
+def transform_tensor(module: str, scheme: str, location: str, stored: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One online transform's tensor under its checkpoint name (the inverse of `read_transforms`)."""
+    return {f"{module}.{scheme}_{location}.weight": stored.float().clone().contiguous()}
+
+
+def _transform_groups(qcfg: dict) -> dict:
+    tc = qcfg.get("transform_config")
+    if tc is None:
+        return {}
+    where = "quantization_config.transform_config"
+    groups = tc.get("config_groups") if isinstance(tc, dict) else None
+    if not isinstance(groups, dict):
+        raise ValueError(f"{where}: must hold config_groups, a mapping of scheme name to scheme")
+    for name, scheme in groups.items():
+        w = f"{where}.config_groups.{name}"
+        if not isinstance(scheme, dict) or scheme.get("type") not in TRANSFORM_TYPES:
+            raise ValueError(f"{w}.type: one of {', '.join(TRANSFORM_TYPES)} is supported, got "
+                             f"{scheme.get('type') if isinstance(scheme, dict) else scheme!r}")
+        for i, args in enumerate(scheme.get("apply") or []):
+            if args.get("location") not in TRANSFORM_LOCATIONS:
+                raise ValueError(f"{w}.apply[{i}].location: one of {', '.join(TRANSFORM_LOCATIONS)} is supported "
+                                 f"(rotations of attention's q and k are not), got {args.get('location')!r}")
+    return groups
+
+
+def online_targets(qcfg: dict) -> list[tuple[str, str, list[str], list[str]]]:
+    """(scheme, location, targets, ignore) of every transform applied at run time."""
+    return [(name, a["location"], list(a.get("targets") or []), list(a.get("ignore") or []))
+            for name, scheme in _transform_groups(qcfg).items() for a in scheme.get("apply") or []
+            if a["location"] in ("input", "output")]
+
+
+def read_transforms(qcfg: dict, state: dict[str, torch.Tensor]) -> list[OnlineTransform]:
+    """Pop the online transforms' tensors from `state`, each checked against transform_config
+    (its scheme applies there online, to a module its targets name) and re-checked as a
+    rotation: a `hadamard` matrix must be Sylvester's, a `random-matrix` orthogonal."""
+    groups = _transform_groups(qcfg)
+    out = []
+    for key in [k for k in state if _TRANSFORM_TENSOR.match(k)]:
+        module, scheme_name, location = _TRANSFORM_TENSOR.match(key).groups()
+        scheme = groups.get(scheme_name)
+        if scheme is None:
+            raise ValueError(f"tensor {key}: transform_config has no scheme {scheme_name!r}")
+        args = [a for a in scheme.get("apply") or [] if a["location"] == location
+                and _matches(module, a.get("targets") or [], "") and not _matches(module, a.get("ignore") or [], "")]
+        if len(args) != 1:
+            raise ValueError(f"tensor {key}: {len(args)} of transform_config.config_groups.{scheme_name}'s "
+                             f"'{location}' entries target {module}; expected exactly 1")
+        stored = state.pop(key).double()
+        b = stored.shape[0]
+        head_dim = scheme.get("head_dim")
+        if stored.dim() != 2 or stored.shape[1] != b or (head_dim is not None and b != head_dim):
+            raise ValueError(f"tensor {key}: shape {tuple(stored.shape)}; expected a square matrix"
+                             f"{f' of head_dim {head_dim}' if head_dim else ''}")
+        if scheme["type"] == "hadamard":
+            if not torch.equal(stored, sylvester_hadamard(b).double()):
+                raise ValueError(f"tensor {key}: not the Sylvester Hadamard matrix of size {b} that type "
+                                 f"'hadamard' names")
+            m = stored / math.sqrt(b)
+        else:
+            m = stored
+            err = (m @ m.T - torch.eye(b, dtype=m.dtype)).abs().max().item()
+            if err > 1e-4:
+                raise ValueError(f"tensor {key}: not orthogonal (|M M^T - I| reaches {err:.2g}; the limit is 1e-4)")
+        out.append(OnlineTransform(module, location, m.float(), bool(args[0].get("inverse", False))))
+    return out
+
+
+def check_transforms_cover(qcfg: dict, transforms: list[OnlineTransform], modules: list[str]) -> None:
+    """Refuse a model one of whose `modules` (checkpoint names) an online transform of
+    transform_config targets without a tensor for it: served without it, the module would
+    read activations in the wrong basis."""
+    have = {(t.module, t.location) for t in transforms}
+    for scheme, location, targets, ignore in online_targets(qcfg):
+        for m in modules:
+            if _matches(m, targets, "") and not _matches(m, ignore, "") and (m, location) not in have:
+                raise ValueError(f"transform_config.config_groups.{scheme} rotates the {location} of {m} at run time, "
+                                 f"but the checkpoint has no tensor {m}.{scheme}_{location}.weight")
 
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000 ** 3  # "5GB", transformers' save_pretrained default

@@ -184,6 +184,8 @@ def default_name(cfg) -> str:
     parts.append(cfg.method)
     if cfg.clip != "minmax":
         parts.append(cfg.clip)
+    if cfg.rotations:
+        parts.append("".join(r.lower() for r in cfg.rotations))
     if cfg.kv_cache != "none":
         parts.append(f"kv-{cfg.kv_cache}" + ("-channel" if cfg.kv_cache_strategy == "channel" else ""))
     return "-".join(parts)

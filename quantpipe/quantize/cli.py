@@ -51,6 +51,11 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTY
 @click.option("--calibrate-all-experts", is_flag=True,
               help="MoE, GPTQ/AWQ: each expert's Hessian from every calibration token of its layer, not only the "
                    "ones routed to it")
+@click.option("--rotate", "rotations", default="", metavar="R1,R4",
+              help="orthogonal rotations before quantizing: R1 (residual stream), R4 (down projection input, "
+                   "online Hadamard); rtn and gptq")
+@click.option("--hadamard-block-size", type=int, default=128, show_default=True,
+              help="R4: size of its Hadamard blocks (a power of two dividing the MLP's intermediate size)")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="scales and unquantized tensors")
 @click.option("--max-memory", default=None, metavar="SIZE",

@@ -18,6 +18,7 @@ METHODS = ("rtn", "gptq", "awq", "autoround")
 GROUP_SIZES = (32, 64, 128)
 CLIPS = ("minmax", "mse")
 KV_CACHES = ("none", "int8", "fp8")
+ROTATIONS = ("R1", "R4")  # QuaRot / SpinQuant's residual-stream and down-projection-input rotations
 KV_STRATEGIES = ("token", "channel")  # dynamic per token and KV head; static per KV head and channel
 LEARN_DTYPES = ("auto", "bfloat16", "float32")  # autoround's steps; auto: bfloat16 where the CPU has native bf16
 
@@ -65,6 +66,12 @@ class QuantConfig:
     # layer, not only the tokens the router sends it (the layer's output still follows the
     # router). An expert the calibration set seldom reaches is otherwise quantized nearly blind.
     calibrate_all_experts: bool = False
+    # Orthogonal rotations applied before quantizing (rotate.py): "R1" the residual stream,
+    # "R4" the down projection's input (Hadamard blocks of hadamard_block_size, run online).
+    # For activation quantization (W8A8): on the default model they took W8A8's mean KL from
+    # SmoothQuant's to a fraction of it (BENCHMARKS.md). Methods rtn and gptq.
+    rotations: tuple[str, ...] = ()
+    hadamard_block_size: int = 128
 
     @classmethod
     def from_dict(cls, data, where: str = "quantize") -> QuantConfig:
@@ -153,6 +160,22 @@ class QuantConfig:
         if self.calibrate_all_experts and self.method not in ("gptq", "awq"):
             raise StageError(f"calibrate_all_experts chooses the tokens of GPTQ's and AWQ's Hessians; method is "
                              f"{self.method!r}")
+        if isinstance(self.rotations, str):
+            self.rotations = tuple(r for r in self.rotations.split(",") if r)
+        self.rotations = tuple(str(r).upper() for r in self.rotations)
+        unknown = [r for r in self.rotations if r not in ROTATIONS]
+        if unknown or len(set(self.rotations)) != len(self.rotations):
+            raise StageError(f"rotations: each of {', '.join(ROTATIONS)} at most once; got {list(self.rotations)}")
+        self.rotations = tuple(r for r in ROTATIONS if r in self.rotations)
+        if self.rotations:
+            if self.method not in ("rtn", "gptq"):
+                raise StageError(f"rotations compose with methods rtn and gptq; got method {self.method!r}")
+            if self.scheme == "mixed":
+                raise StageError("rotations do not compose with scheme mixed yet (its sensitivities are measured "
+                                 "per layer before any rotation)")
+        h = self.hadamard_block_size
+        if h < 2 or h & (h - 1):
+            raise StageError(f"hadamard_block_size must be a power of two >= 2, got {h}")
         if self.block_size < 1:
             raise StageError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("calib_samples", "calib_seq_len"):
@@ -194,6 +217,7 @@ _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "c
           "learn_dtype": str, "calib_samples": int, "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str,
           "smoothquant_alpha": (int, float),
           "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
-          "kv_cache_strategy": str, "calibrate_all_experts": bool}
+          "kv_cache_strategy": str, "calibrate_all_experts": bool, "rotations": list,
+          "hadamard_block_size": int}
 _OPTIONAL = {"group_size", "clip", "smoothquant_alpha", "bits_budget"}  # null is a value of these
 assert set(_TYPES) == {f.name for f in dataclasses.fields(QuantConfig)}, "every field needs a type for from_dict"

