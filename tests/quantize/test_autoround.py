@@ -124,7 +124,7 @@ def test_learned_rounding_lowers_a_tiny_moe_layers_held_out_error(tmp_path):
     assert err_learned < 0.95 * err_nearest, (err_learned, err_nearest)
 
 
-def _kl(ref, model, held) -> float:
+def held_out_kl(ref, model, held) -> float:
     total = 0.0
     for ids in held:
         a, b = sequence_logits(ref, ids).log_softmax(-1), sequence_logits(model, ids).log_softmax(-1)
@@ -145,7 +145,7 @@ def test_autoround_artifact_loads_and_beats_rtn(tmp_path):
         cfg = QuantConfig(scheme="W4A16", group_size=32, method=method, iters=100, batch_size=8)
         arts[method] = quantize(src, cfg, None, str(tmp_path / method), calib_token_ids=calib)
         model, _, _ = load_model(str(tmp_path / method), torch.float32)
-        kl[method] = _kl(ref, model, held)
+        kl[method] = held_out_kl(ref, model, held)
     m = arts["autoround"].manifest
     assert m["method"] == "autoround" and m["parameters"]["iters"] == 100
     assert m["calibration"]["kind"] == "token_ids" and (m["calibration"]["samples"], m["calibration"]["tokens"]) == (
