@@ -34,7 +34,7 @@ NON_DEFAULT = {
     "calib_seq_len": ({"calib_seq_len": 256}, 256),
     "quantize_lm_head": ({"quantize_lm_head": True}, True),
     "dtype": ({"dtype": "float16"}, "float16"),
-    "smoothquant_alpha": ({"scheme": "W8A8", "smoothquant_alpha": None}, None),
+    "smoothquant_alpha": ({"scheme": "W8A8", "smoothquant_alpha": 0.5}, 0.5),
     "bits_budget": ({"scheme": "mixed", "bits_budget": 4.5}, 4.5),
     "sensitivity_samples": ({"scheme": "mixed", "bits_budget": 5, "sensitivity_samples": 2}, 2),
     "sensitivity_tokens": ({"scheme": "mixed", "bits_budget": 5, "sensitivity_tokens": 64}, 64),
@@ -75,8 +75,9 @@ def test_default_recipe_is_a_ladder_of_valid_candidates():
     schemes = {c.config.scheme for c in r.candidates}
     assert {"W4A16", "mixed", "W8A16", "W8A8"} <= schemes
     assert len({c.name for c in r.candidates}) == len(r.candidates)
-    # The stage answers which of them read calibration data; the pipeline asks it.
-    assert all(c.config.calibration_need() for c in r.candidates)
+    # The stage answers which of them read calibration data; the pipeline asks it. W8A8's
+    # rotations need none.
+    assert [c.name for c in r.candidates if not c.config.calibration_need()] == ["w8a8-r1r4"]
 
 
 @pytest.mark.parametrize("model, name", [
@@ -96,8 +97,8 @@ def test_a_recipe_without_a_name_is_named_after_the_model(model, name):
     ({"scheme": "W4A16", "method": "awq"}, "AWQ"),
     ({"scheme": "W4A16", "method": "gptq"}, "GPTQ"),
     ({"scheme": "mixed", "bits_budget": 5}, "mixed precision"),
-    ({"scheme": "W8A8"}, "SmoothQuant"),
-    ({"scheme": "W8A8", "smoothquant_alpha": None}, None),
+    ({"scheme": "W8A8", "smoothquant_alpha": 0.5}, "SmoothQuant"),
+    ({"scheme": "W8A8"}, None),  # rotations by default: no calibration data
     ({"scheme": "W8A16", "kv_cache": "int8"}, None),
     ({"scheme": "W8A16", "kv_cache": "int8", "kv_cache_strategy": "channel"}, "static KV"),
 ])

@@ -40,9 +40,10 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTY
 @click.option("--sensitivity-from", default=None, metavar="ARTIFACT",
               help="mixed: reuse this earlier mixed artifact's sensitivity table when its manifest shows it was "
                    "measured on the same model, sequences and precisions (else measure again)")
-@click.option("--smoothquant-alpha", type=float, default=0.5, show_default=True,
-              help="W8A8: SmoothQuant migration strength (0 < alpha < 1)")
-@click.option("--no-smoothquant", is_flag=True, help="W8A8 without SmoothQuant")
+@click.option("--smoothquant-alpha", type=float, default=None,
+              help="W8A8: SmoothQuant with this migration strength (0 < alpha < 1, e.g. 0.5) [default: off; W8A8 "
+                   "rotates instead]")
+@click.option("--no-smoothquant", is_flag=True, help="W8A8 without SmoothQuant (the default)")
 @click.option("--kv-cache", type=click.Choice(KV_CACHES), default="none", show_default=True,
               help="KV cache the artifact is served with (8-bit)")
 @click.option("--kv-cache-strategy", type=click.Choice(KV_STRATEGIES), default="token", show_default=True,
@@ -51,9 +52,10 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTY
 @click.option("--calibrate-all-experts", is_flag=True,
               help="MoE, GPTQ/AWQ: each expert's Hessian from every calibration token of its layer, not only the "
                    "ones routed to it")
-@click.option("--rotate", "rotations", default="", metavar="R1,R4",
+@click.option("--rotate", "rotations", default=None, metavar="R1,R4|none",
               help="orthogonal rotations before quantizing: R1 (residual stream), R4 (down projection input, "
-                   "online Hadamard); rtn and gptq")
+                   "online Hadamard); rtn and gptq [default: W8A8 R1,R4 as far as the model takes them, "
+                   "otherwise none]")
 @click.option("--hadamard-block-size", type=int, default=128, show_default=True,
               help="R4: size of its Hadamard blocks (a power of two dividing the MLP's intermediate size)")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",

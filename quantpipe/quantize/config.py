@@ -19,6 +19,11 @@ GROUP_SIZES = (32, 64, 128)
 CLIPS = ("minmax", "mse")
 KV_CACHES = ("none", "int8", "fp8")
 ROTATIONS = ("R1", "R4")  # QuaRot / SpinQuant's residual-stream and down-projection-input rotations
+# Each scheme's rotations by default. W8A8: R1 + R4 took the default model's mean KL to 0.37x
+# SmoothQuant's (0.0080 against 0.0217) and its perplexity increase from +1.59% to -0.24%.
+# Weight-only schemes: none, since the default model's weights were 4-bit already (Q4_1)
+# and a rotation undoes that grid (BENCHMARKS.md, "Rotations").
+DEFAULT_ROTATIONS = {"W8A8": ("R1", "R4")}
 KV_STRATEGIES = ("token", "channel")  # dynamic per token and KV head; static per KV head and channel
 LEARN_DTYPES = ("auto", "bfloat16", "float32")  # autoround's steps; auto: bfloat16 where the CPU has native bf16
 
@@ -53,7 +58,11 @@ class QuantConfig:
     calib_seq_len: int = 512
     quantize_lm_head: bool = False
     dtype: str = "bfloat16"  # scales and unquantized tensors in the artifact (what vLLM serves)
-    smoothquant_alpha: float | None = 0.5  # W8A8: migrate activation outliers into weights; None: off
+    # W8A8: SmoothQuant's migration strength (activation outliers moved into the weights, 0.5 is
+    # its usual value); None: off. Off by default since the rotations below took W8A8 further:
+    # mean KL 0.0080 against SmoothQuant's 0.0217 on the sample's held-out texts, and 0.0088
+    # with both (BENCHMARKS.md, "Rotations").
+    smoothquant_alpha: float | None = None
     bits_budget: float | None = None  # mixed: average bits per quantized weight, scales included
     # mixed: calibration sequences the per-layer KL is measured on, each cut to its first
     # sensitivity_tokens. Each Linear costs about half a forward pass per sequence and candidate
@@ -67,10 +76,10 @@ class QuantConfig:
     # router). An expert the calibration set seldom reaches is otherwise quantized nearly blind.
     calibrate_all_experts: bool = False
     # Orthogonal rotations applied before quantizing (rotate.py): "R1" the residual stream,
-    # "R4" the down projection's input (Hadamard blocks of hadamard_block_size, run online).
-    # For activation quantization (W8A8): on the default model they took W8A8's mean KL from
-    # SmoothQuant's to a fraction of it (BENCHMARKS.md). Methods rtn and gptq.
-    rotations: tuple[str, ...] = ()
+    # "R4" the down projection's input (Hadamard blocks of hadamard_block_size, run online);
+    # methods rtn and gptq. None: the scheme's best measured (DEFAULT_ROTATIONS), as far as
+    # the model takes them (`rotations_for`); () for none.
+    rotations: tuple[str, ...] | None = None
     hadamard_block_size: int = 128
 
     @classmethod
@@ -90,7 +99,7 @@ class QuantConfig:
                 isinstance(value, want) and (want is bool or not isinstance(value, bool)))
             if not ok:
                 kind = {str: "a string", int: "an integer", bool: "true or false",
-                        (int, float): "a number"}.get(want, str(want))
+                        (int, float): "a number", list: "a list"}.get(want, str(want))
                 raise StageError(f"{where}.{key}: must be {kind}{' or null' if key in _OPTIONAL else ''}; "
                                  f"got {value!r}")
         try:
@@ -160,19 +169,8 @@ class QuantConfig:
         if self.calibrate_all_experts and self.method not in ("gptq", "awq"):
             raise StageError(f"calibrate_all_experts chooses the tokens of GPTQ's and AWQ's Hessians; method is "
                              f"{self.method!r}")
-        if isinstance(self.rotations, str):
-            self.rotations = tuple(r for r in self.rotations.split(",") if r)
-        self.rotations = tuple(str(r).upper() for r in self.rotations)
-        unknown = [r for r in self.rotations if r not in ROTATIONS]
-        if unknown or len(set(self.rotations)) != len(self.rotations):
-            raise StageError(f"rotations: each of {', '.join(ROTATIONS)} at most once; got {list(self.rotations)}")
-        self.rotations = tuple(r for r in ROTATIONS if r in self.rotations)
-        if self.rotations:
-            if self.method not in ("rtn", "gptq"):
-                raise StageError(f"rotations compose with methods rtn and gptq; got method {self.method!r}")
-            if self.scheme == "mixed":
-                raise StageError("rotations do not compose with scheme mixed yet (its sensitivities are measured "
-                                 "per layer before any rotation)")
+        if self.rotations is not None:
+            self._check_rotations()
         h = self.hadamard_block_size
         if h < 2 or h & (h - 1):
             raise StageError(f"hadamard_block_size must be a power of two >= 2, got {h}")
@@ -183,6 +181,27 @@ class QuantConfig:
                 raise StageError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise StageError(f"dtype must be bfloat16, float16 or float32; got {self.dtype!r}")
+
+    def _check_rotations(self) -> None:
+        given = self.rotations.split(",") if isinstance(self.rotations, str) else self.rotations
+        given = [str(r).strip().upper() for r in given if str(r).strip()]
+        if given == ["NONE"]:
+            given = []
+        if any(r not in ROTATIONS for r in given) or len(set(given)) != len(given):
+            raise StageError(f"rotations: each of {', '.join(ROTATIONS)} at most once (or none); got {given}")
+        self.rotations = tuple(r for r in ROTATIONS if r in given)
+        if self.rotations and self.method not in ("rtn", "gptq"):
+            raise StageError(f"rotations compose with methods rtn and gptq; got method {self.method!r}")
+        if self.rotations and self.scheme == "mixed":
+            raise StageError("rotations do not compose with scheme mixed yet (its sensitivities are measured "
+                             "per layer before any rotation)")
+
+    def rotations_for(self, model_takes: tuple[str, ...]) -> tuple[str, ...]:
+        """The rotations this run applies: as given, or by default the scheme's best measured
+        (DEFAULT_ROTATIONS) as far as the model takes them (`model_takes`, from rotate.takes)."""
+        if self.rotations is not None:
+            return self.rotations
+        return tuple(r for r in DEFAULT_ROTATIONS.get(self.scheme, ()) if r in model_takes)
 
     @property
     def num_bits(self) -> int:
@@ -219,5 +238,5 @@ _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "c
           "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
           "kv_cache_strategy": str, "calibrate_all_experts": bool, "rotations": list,
           "hadamard_block_size": int}
-_OPTIONAL = {"group_size", "clip", "smoothquant_alpha", "bits_budget"}  # null is a value of these
+_OPTIONAL = {"group_size", "clip", "smoothquant_alpha", "bits_budget", "rotations"}  # null is a value of these
 assert set(_TYPES) == {f.name for f in dataclasses.fields(QuantConfig)}, "every field needs a type for from_dict"

@@ -54,11 +54,23 @@ def random_orthogonal(n: int, seed: int = SEED) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))
 
 
+def takes(cfg: ModelConfig, block: int) -> tuple[str, ...]:
+    """The rotations this model takes: R1 but on Gemma 3, R4 where `block` divides every down
+    projection's input size (what a default may apply; `check` names why a given one cannot)."""
+    return tuple(r for r in ("R1", "R4") if not _refusal(cfg, (r,), block))
+
+
 def check(cfg: ModelConfig, rotations: tuple[str, ...], block: int) -> None:
     """Refuse what this model cannot take, before anything is computed."""
+    why = _refusal(cfg, rotations, block)
+    if why:
+        raise StageError(why)
+
+
+def _refusal(cfg: ModelConfig, rotations: tuple[str, ...], block: int) -> str | None:
     if "R1" in rotations and cfg.is_gemma3:
-        raise StageError("rotations: R1 does not apply to Gemma 3 (its norms after each sublayer scale the "
-                         "residual stream per channel, which a rotation does not commute with); use R4 alone")
+        return ("rotations: R1 does not apply to Gemma 3 (its norms after each sublayer scale the residual "
+                "stream per channel, which a rotation does not commute with); use R4 alone")
     if "R4" in rotations:
         sizes = {cfg.intermediate_size}
         if cfg.moe_layers:
@@ -66,8 +78,8 @@ def check(cfg: ModelConfig, rotations: tuple[str, ...], block: int) -> None:
                                                     if cfg.shared_expert_intermediate_size else set())
         bad = sorted(s for s in sizes if s and s % block)
         if bad:
-            raise StageError(f"hadamard_block_size {block} does not divide the down projection's input size "
-                             f"{bad[0]}")
+            return f"hadamard_block_size {block} does not divide the down projection's input size {bad[0]}"
+    return None
 
 
 def _readers_writers(layer) -> tuple[list, list, list]:

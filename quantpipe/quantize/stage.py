@@ -41,8 +41,8 @@ from quantpipe.manifest import (
     sha256_file,
     staged_output,
 )
-from quantpipe.quantize import autoround, awq
-from quantpipe.quantize.config import QuantConfig
+from quantpipe.quantize import autoround, awq, rotate
+from quantpipe.quantize.config import DEFAULT_ROTATIONS, QuantConfig
 from quantpipe.quantize.gptq import HessianError, gptq
 from quantpipe.quantize.rtn import WeightScheme, rtn
 from quantpipe.quantize.stream import (
@@ -508,9 +508,9 @@ def _streamable(cfg: QuantConfig) -> None:
     if cfg.method not in STREAMED_METHODS:
         raise StageError(f"--max-memory (layer-streamed quantization) takes method {', '.join(STREAMED_METHODS)}; "
                          f"got {cfg.method}")
-    if cfg.rotations:
-        raise StageError("--max-memory (layer-streamed quantization) does not take rotations yet (R1 changes the "
-                         "embeddings and every layer before the first is quantized)")
+    if cfg.rotations or (cfg.rotations is None and DEFAULT_ROTATIONS.get(cfg.scheme)):
+        default = f" ({cfg.scheme} rotates by default: pass --rotate none)" if cfg.rotations is None else ""
+        raise StageError(f"--max-memory (layer-streamed quantization) does not take rotations yet{default}")
     why = ("mixed precision (its sensitivities need the whole model's output)" if cfg.scheme == "mixed" else
            "SmoothQuant (use --no-smoothquant)" if cfg.scheme == "W8A8" and cfg.smoothquant_alpha is not None else
            "static KV cache scales (use --kv-cache-strategy token)"
@@ -634,10 +634,9 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             raise StageError(f"--calib {calib}: {got} calibration tokens; {cfg.method.upper()} needs at least {need} "
                              f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
     rotated = None
-    if cfg.rotations:  # before anything is measured on the model: calibration sees the rotated one
-        from quantpipe.quantize.rotate import rotate
-
-        rotated = rotate(net, mcfg, cfg.rotations, cfg.hadamard_block_size)
+    rotations = cfg.rotations_for(rotate.takes(mcfg, cfg.hadamard_block_size))
+    if rotations:  # before anything is measured on the model: calibration sees the rotated one
+        rotated = rotate.rotate(net, mcfg, rotations, cfg.hadamard_block_size)
         phases["rotate_s"] = time.perf_counter() - t
         t = time.perf_counter()
     kv_scales = None

@@ -148,7 +148,8 @@ def test_w8a8_smoothquant_matches_a_fake_quant_reference(tmp_path):
     assert info["pairs"] == 4 and torch.allclose(sequence_logits(model, IDS), before, atol=1e-4, rtol=1e-4)
 
     out = str(tmp_path / "w8a8")
-    art = quantize(src, QuantConfig(scheme="W8A8", dtype="float32"), None, out, calib_token_ids=ids)
+    art = quantize(src, QuantConfig(scheme="W8A8", dtype="float32", smoothquant_alpha=0.5, rotations=()), None, out,
+                   calib_token_ids=ids)
     assert art.manifest["smoothquant"]["alpha"] == 0.5
     cfg = json.load(open(f"{out}/config.json"))
     qcfg = QuantizationConfig.model_validate(cfg.pop("quantization_config"))
@@ -185,7 +186,7 @@ def test_w8a8_smoothquant_matches_a_fake_quant_reference(tmp_path):
     with pytest.raises(StageError, match="W8A8 takes symmetric per-channel"):
         QuantConfig(scheme="W8A8", group_size=64)
     with pytest.raises(StageError, match="SmoothQuant needs calibration data"):
-        quantize(src, QuantConfig(scheme="W8A8"), None, str(tmp_path / "nocalib"))
+        quantize(src, QuantConfig(scheme="W8A8", smoothquant_alpha=0.5), None, str(tmp_path / "nocalib"))
 
 
 def test_mixed_precision_meets_its_budget_and_loads(tmp_path):

@@ -180,5 +180,6 @@ def test_awq_scales_the_experts_beats_rtn_and_hf_reads_the_artifact(tmp_path, ar
 def test_smoothquant_is_refused_on_moe_models(tmp_path):
     _, src = build(tmp_path, "mixtral")
     with pytest.raises(StageError, match="SmoothQuant is not supported.*--no-smoothquant"):
-        quantize(src, QuantConfig(scheme="W8A8"), None, str(tmp_path / "b"), calib_token_ids=token_ids(4, 64, 0))
+        quantize(src, QuantConfig(scheme="W8A8", smoothquant_alpha=0.5), None, str(tmp_path / "b"),
+                 calib_token_ids=token_ids(4, 64, 0))
     assert not (tmp_path / "b").exists()

@@ -29,7 +29,7 @@ def model_files(path) -> dict[str, bytes]:
     ("llama-gqa-untied-llama3-rope", "gptq", "W4A16"),  # untied lm_head, act-order, the range search
     ("qwen2-bias", "awq", "W4A16"),  # tied embeddings, q/k/v biases, scales folded into norms
     ("gemma3-sliding-window", "rtn", "W8A16"),  # Gemma's norms and scaled embedding
-    ("qwen3-moe", "gptq", "W8A8"),  # experts, routers kept; W8A8 without SmoothQuant
+    ("qwen3-moe", "gptq", "W8A8"),  # experts, routers kept; W8A8 without SmoothQuant or rotations
     ("qwen3-qk-norm", "autoround", "W4A16"),  # learned rounding on both activation streams
 ])
 def test_streamed_artifact_is_the_whole_model_one_byte_for_byte(tmp_path, arch, method, scheme):
@@ -38,7 +38,7 @@ def test_streamed_artifact_is_the_whole_model_one_byte_for_byte(tmp_path, arch, 
     if method == "autoround":
         extra.update(iters=8, batch_size=4)
     cfg = QuantConfig(scheme=scheme, method=method, calib_samples=8, calib_seq_len=48,
-                      smoothquant_alpha=None if scheme == "W8A8" else 0.5, **extra)
+                      rotations=(), **extra)
     calib = token_ids(8, 48, 1)
     shard = 40_000  # several shards, so the grouping into files is compared too
     whole = quantize(src, cfg, None, str(tmp_path / "whole"), calib_token_ids=calib, max_shard_size=shard)
@@ -116,6 +116,8 @@ def test_a_budget_too_small_or_an_option_it_lacks_is_refused_before_writing(tmp_
     with pytest.raises(StageError, match="does not take mixed precision"):
         quantize(src, QuantConfig(scheme="mixed", bits_budget=5.0), None, str(out), max_memory=GIB)
     with pytest.raises(StageError, match="does not take SmoothQuant"):
+        quantize(src, QuantConfig(scheme="W8A8", smoothquant_alpha=0.5, rotations=()), None, str(out), max_memory=GIB)
+    with pytest.raises(StageError, match=r"does not take rotations yet \(W8A8 rotates by default: pass --rotate none\)"):
         quantize(src, QuantConfig(scheme="W8A8"), None, str(out), max_memory=GIB)
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["llama-tied"]
     assert parse_size("1.5GB", "--max-memory") == 1_500_000_000 and parse_size("512MiB", "x") == 512 * 1024 ** 2
