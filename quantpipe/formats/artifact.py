@@ -304,7 +304,7 @@ def transform_tensor(module: str, scheme: str, location: str, stored: torch.Tens
 
 def _transform_groups(qcfg: dict) -> dict:
     tc = qcfg.get("transform_config")
-    if tc is None:
+    if not tc:  # absent, or {} as llm-compressor writes when nothing was applied
         return {}
     where = "quantization_config.transform_config"
     groups = tc.get("config_groups") if isinstance(tc, dict) else None
