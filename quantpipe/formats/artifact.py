@@ -322,6 +322,12 @@ def _transform_groups(qcfg: dict) -> dict:
     return groups
 
 
+def _targeted(module: str, targets, ignore) -> bool:
+    """Whether a transform's targets name `module` (by name or regex, never by class) and its
+    ignore list does not."""
+    return _matches(module, targets or [], "") and not _matches(module, ignore or [], "")
+
+
 def online_targets(qcfg: dict) -> list[tuple[str, str, list[str], list[str]]]:
     """(scheme, location, targets, ignore) of every transform applied at run time."""
     return [(name, a["location"], list(a.get("targets") or []), list(a.get("ignore") or []))
@@ -341,7 +347,7 @@ def read_transforms(qcfg: dict, state: dict[str, torch.Tensor]) -> list[OnlineTr
         if scheme is None:
             raise ValueError(f"tensor {key}: transform_config has no scheme {scheme_name!r}")
         args = [a for a in scheme.get("apply") or [] if a["location"] == location
-                and _matches(module, a.get("targets") or [], "") and not _matches(module, a.get("ignore") or [], "")]
+                and _targeted(module, a.get("targets"), a.get("ignore"))]
         if len(args) != 1:
             raise ValueError(f"tensor {key}: {len(args)} of transform_config.config_groups.{scheme_name}'s "
                              f"'{location}' entries target {module}; expected exactly 1")
@@ -372,7 +378,7 @@ def check_transforms_cover(qcfg: dict, transforms: list[OnlineTransform], module
     have = {(t.module, t.location) for t in transforms}
     for scheme, location, targets, ignore in online_targets(qcfg):
         for m in modules:
-            if _matches(m, targets, "") and not _matches(m, ignore, "") and (m, location) not in have:
+            if _targeted(m, targets, ignore) and (m, location) not in have:
                 raise ValueError(f"transform_config.config_groups.{scheme} rotates the {location} of {m} at run time, "
                                  f"but the checkpoint has no tensor {m}.{scheme}_{location}.weight")
 

@@ -21,8 +21,9 @@ KV_CACHES = ("none", "int8", "fp8")
 ROTATIONS = ("R1", "R4")  # QuaRot / SpinQuant's residual-stream and down-projection-input rotations
 # Each scheme's rotations by default. W8A8: R1 + R4 took the default model's mean KL to 0.37x
 # SmoothQuant's (0.0080 against 0.0217) and its perplexity increase from +1.59% to -0.24%.
-# Weight-only schemes: none, since the default model's weights were 4-bit already (Q4_1)
-# and a rotation undoes that grid (BENCHMARKS.md, "Rotations").
+# Weight-only schemes: none. W4 g64 RTN's perplexity increase went from +42% to +101% with
+# them; W4 GPTQ's mean KL fell to 0.79x, but W4A16 GPTQ is what the CI gate's references were
+# recorded with (BENCHMARKS.md, "Rotations").
 DEFAULT_ROTATIONS = {"W8A8": ("R1", "R4")}
 KV_STRATEGIES = ("token", "channel")  # dynamic per token and KV head; static per KV head and channel
 LEARN_DTYPES = ("auto", "bfloat16", "float32")  # autoround's steps; auto: bfloat16 where the CPU has native bf16

@@ -147,7 +147,8 @@ def rotate(net, cfg: ModelConfig, rotations: tuple[str, ...], block: int) -> Rot
     if "R4" in rotations:
         h = sylvester_hadamard(block)
         hn = h.double() / math.sqrt(block)
-        for name, lin in _down_projs(net):
+        downs = _down_projs(net)
+        for name, lin in downs:
             w = lin.weight.double()
             lin.weight.copy_((w.unflatten(1, (-1, block)) @ hn).flatten(1))
             hf = "model." + checkpoint_name(cfg, name)
@@ -158,5 +159,5 @@ def rotate(net, cfg: ModelConfig, rotations: tuple[str, ...], block: int) -> Rot
                         "precision": "float32",
                         "apply": [{"targets": targets, "location": "input", "inverse": False, "ignore": []},
                                   {"targets": targets, "location": "weight_input", "inverse": True, "ignore": []}]}
-        summary["R4"] = {"matrix": f"Sylvester Hadamard, blocks of {block}", "modules": len(_down_projs(net))}
+        summary["R4"] = {"matrix": f"Sylvester Hadamard, blocks of {block}", "modules": len(downs)}
     return Rotated({"config_groups": groups}, tensors, summary)

@@ -42,7 +42,7 @@ from quantpipe.manifest import (
     staged_output,
 )
 from quantpipe.quantize import autoround, awq, rotate
-from quantpipe.quantize.config import DEFAULT_ROTATIONS, QuantConfig
+from quantpipe.quantize.config import ROTATIONS, QuantConfig
 from quantpipe.quantize.gptq import HessianError, gptq
 from quantpipe.quantize.rtn import WeightScheme, rtn
 from quantpipe.quantize.stream import (
@@ -508,7 +508,7 @@ def _streamable(cfg: QuantConfig) -> None:
     if cfg.method not in STREAMED_METHODS:
         raise StageError(f"--max-memory (layer-streamed quantization) takes method {', '.join(STREAMED_METHODS)}; "
                          f"got {cfg.method}")
-    if cfg.rotations or (cfg.rotations is None and DEFAULT_ROTATIONS.get(cfg.scheme)):
+    if cfg.rotations_for(ROTATIONS):  # what it would apply to a model that takes every rotation
         default = f" ({cfg.scheme} rotates by default: pass --rotate none)" if cfg.rotations is None else ""
         raise StageError(f"--max-memory (layer-streamed quantization) does not take rotations yet{default}")
     why = ("mixed precision (its sensitivities need the whole model's output)" if cfg.scheme == "mixed" else

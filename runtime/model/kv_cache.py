@@ -43,6 +43,8 @@ import math
 
 import torch
 
+from quantpipe.formats.artifact import sylvester_hadamard
+
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 1e-7  # smallest scale kept: a constant row quantizes to its zero, not to inf/nan
@@ -73,10 +75,7 @@ def hadamard(n: int) -> torch.Tensor | None:
     every layer's cache, and every scratch cache a scoring pass makes, takes the same one."""
     if n < 1 or n & (n - 1):
         return None
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / math.sqrt(n)
+    return sylvester_hadamard(n) / math.sqrt(n)
 
 
 class KVCache:

@@ -8,6 +8,8 @@ about them, and a quantized Linear swapped in keeps its kernel.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import nn
 
 from quantpipe.formats.artifact import OnlineTransform, check_transforms_cover
@@ -21,7 +23,7 @@ def checkpoint_modules(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
              for i in range(cfg.num_layers) for ours, unfused in fused_linears(cfg, i)}
     out = {}
     for name, _ in model.named_modules():
-        if not name or name.startswith(("rotary", "rotary_local")):
+        if not name or name.startswith("rotary"):
             continue
         for unfused in parts.get(name, [name]):
             out[unfused if unfused == "lm_head" else "model." + checkpoint_name(cfg, unfused)] = name
@@ -40,8 +42,7 @@ def apply_online_transforms(model: nn.Module, cfg: ModelConfig, qcfg: dict, tran
     """Attach each of an artifact's online transforms to its module, after checking that every
     module transform_config rotates online has one and that none is a fused projection's part."""
     modules = checkpoint_modules(model, cfg)
-    fused = {f"layers.{i}.{ours}" for i in range(cfg.num_layers) for ours, parts in fused_linears(cfg, i)
-             if len(parts) > 1}
+    fused = {ours for ours, n in Counter(modules.values()).items() if n > 1}  # q/k/v, gate/up
     check_transforms_cover(qcfg, transforms, list(modules))
     for t in transforms:
         ours = modules.get(t.module)
