@@ -19,7 +19,14 @@ with the second core idle (about 115 s of the suite's end). The modules themselv
 last, and their fixtures wait for `IdleJobs.result(name)`.
 
 What a job computes does not depend on when it runs: every command is deterministic (the
-regression gate pins its CPU code paths), only the wall time moves. A lock a job's command
+regression gate pins its CPU code paths), only the wall time moves. So no limit on a job is
+a wall-clock one, which a slower machine or a busier suite would trip while the command only
+waited for idle time (a regression-gate GPTQ of 120 s alone took 1,257 s at idle priority
+beside the suite on a 2-core AVX2 machine): each command gets a budget of CPU time, enforced
+by the kernel (RLIMIT_CPU) whatever the load, against a runaway computation; and the test
+that waits for a job gives it a wall-clock wait counted from when it starts waiting, after
+every other module has run and the job has the idle CPU to itself, against a command that
+hangs without computing. A lock a job's command
 shares with the other tests would let an idle-priority holder stall them, which is why the
 runtime loads its built C++ kernels under a shared lock (runtime/model/cpu_attention.py).
 """
@@ -27,12 +34,25 @@ runtime loads its built C++ kernels under a shared lock (runtime/model/cpu_atten
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import threading
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Callable
+
+
+def _idle_priority_within(cpu_seconds: int) -> Callable[[], None]:
+    """The child's setup before exec: its CPU-time budget, then the lowest CPU priority."""
+
+    def setup() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 10))  # SIGXCPU, then SIGKILL
+        _idle_priority()
+
+    return setup
 
 
 def _idle_priority() -> None:
@@ -59,7 +79,9 @@ class Runner:
         self._lock = threading.Lock()
         self._stopped = False
 
-    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], cwd: Path, env: dict, cpu_seconds: int) -> subprocess.CompletedProcess:
+        """Runs argv at idle priority, each process it starts allowed cpu_seconds of CPU time
+        (user + system); a command the kernel stops at that budget raises."""
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the session ended before this job's command started")
@@ -67,14 +89,11 @@ class Runner:
             one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
             proc = subprocess.Popen(argv, cwd=cwd, env={**env, **one_thread},
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    preexec_fn=_idle_priority, start_new_session=True)
+                                    preexec_fn=_idle_priority_within(cpu_seconds), start_new_session=True)
             self._procs.append(proc)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._kill(proc)
-            out, err = proc.communicate()
-            raise AssertionError(f"{argv[:4]} ran past {timeout:g} s:\n{out[-2000:]}\n{err[-2000:]}") from None
+        out, err = proc.communicate()
+        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not self._stopped:
+            raise AssertionError(f"{argv[:4]} used up its {cpu_seconds} s of CPU time:\n{out[-2000:]}\n{err[-2000:]}")
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
     @staticmethod
@@ -122,13 +141,20 @@ class IdleJobs:
         for k, chain in enumerate(self._chains):  # every chain starts now, on a thread of its own
             threading.Thread(target=work, args=chain, name=f"idle-jobs-{k}", daemon=True).start()
 
-    def result(self, name: str):
+    def result(self, name: str, wait: float = 1500):
         """The job's return value, once it has finished; its exception if it raised. For a
-        dict of chains, {key: that chain's return value}."""
+        dict of chains, {key: that chain's return value}. Waits at most `wait` seconds from
+        this call (see the module's text)."""
         futures = self._futures[name]
-        if isinstance(futures, Future):
-            return futures.result()
-        return {key: future.result() for key, future in futures.items()}
+        deadline = time.monotonic() + wait
+        try:
+            if isinstance(futures, Future):
+                return futures.result(timeout=wait)
+            return {key: future.result(timeout=max(0.0, deadline - time.monotonic()))
+                    for key, future in futures.items()}
+        except FutureTimeout:
+            raise AssertionError(f"the idle job of {name} did not finish within {wait:g} s of its test's wait, "
+                                 "with the rest of the suite done: a command hangs") from None
 
     def stop(self) -> None:
         self._runner.stop()

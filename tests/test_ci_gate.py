@@ -28,14 +28,14 @@ def _env(**extra: str) -> dict:
 
 
 def _quantpipe(run, *args: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "quantpipe", *args], cwd=ROOT, env=_env(), timeout=1500)
+    return run([sys.executable, "-m", "quantpipe", *args], cwd=ROOT, env=_env(), cpu_seconds=1500)
 
 
 def _gate_script(runner, folder: Path) -> dict:
     """scripts/ci-gate as CI runs it, its output in folder/ci-gate."""
     out = folder / "ci-gate"
     proc = runner.run(["bash", str(ROOT / "scripts" / "ci-gate")], cwd=ROOT, env=_env(CI_GATE_OUT=str(out)),
-                      timeout=1700)
+                      cpu_seconds=1500)
     return {"out": out, "run": proc}
 
 

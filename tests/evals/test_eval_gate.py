@@ -44,7 +44,7 @@ def _gate_job(runner, folder: Path) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
 
     def run(*argv) -> str:
-        proc = runner.run([sys.executable, *map(str, argv)], cwd=ROOT, env=env, timeout=1500)
+        proc = runner.run([sys.executable, *map(str, argv)], cwd=ROOT, env=env, cpu_seconds=1500)
         assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-3000:])
         return proc.stdout
 

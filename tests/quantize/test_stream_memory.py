@@ -109,15 +109,15 @@ def _big_model_runs(runner, folder: Path) -> dict:
         [sys.executable, "-c", "import sys; from pathlib import Path; "
          "from tests.quantize.test_stream_memory import write_big_llama; "
          "print(write_big_llama(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))", str(src), str(LAYERS),
-         str(HIDDEN)], cwd=ROOT, env=_env(), timeout=600)}
+         str(HIDDEN)], cwd=ROOT, env=_env(), cpu_seconds=600)}
     if done["write"].returncode != 0:
         return done
     done["whole"] = runner.run(quantize_argv(src, folder / "whole", "rtn", None, LIMIT), cwd=ROOT, env=_env(),
-                               timeout=600)
+                               cpu_seconds=600)
     done["whole_written"] = (folder / "whole").exists()
     for method in METHODS:
         out = folder / method
-        done[method] = runner.run(quantize_argv(src, out, method, LIMIT, LIMIT), cwd=ROOT, env=_env(), timeout=1500)
+        done[method] = runner.run(quantize_argv(src, out, method, LIMIT, LIMIT), cwd=ROOT, env=_env(), cpu_seconds=1500)
         if out.exists():
             done[method + "_config"] = json.loads((out / "config.json").read_text())
             done[method + "_files"] = sorted(f.name for f in out.iterdir())
