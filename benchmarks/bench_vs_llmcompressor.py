@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_vs_llmcompressor.py --calib calib_sets/sample-set \
         [--heldout calib_sets/sample-set] [--calib-samples 128 --calib-seq-len 512] \
         [--lc-observers default,imatrix_mse] [--same-length 256 --autoround] \
-        [--ours gptq,gptq-minmax,rtn,autoround]
+        [--ours gptq,gptq-minmax,rtn,autoround,gptq-r1r4,autoround-r1r4]
 
 llmcompressor and auto-round pin transformers and compressed-tensors versions other than
 quantpipe's, so each runs in a virtualenv of its own. The default model is written as a
@@ -16,7 +16,7 @@ per weight observer: its default min-max, and `imatrix_mse` (an importance-weigh
 search, its README's best W4A16 result). `--autoround` adds auto-round's own quantizer with
 its defaults. quantpipe runs (`--ours`) GPTQ with its defaults (act-order with static
 groups, the range search), GPTQ on the min-max grid and RTN, and on request its own
-`--method autoround`. Each artifact is loaded by quantpipe's
+`--method autoround`, and GPTQ or AutoRound after the R1 + R4 rotations. Each artifact is loaded by quantpipe's
 loader in float32 and scored against the source model on the held-out texts by the
 teacher-forced scorer; the table's ratio is each perplexity increase over the best
 anchor's.
@@ -48,7 +48,10 @@ OURS = {"gptq": ("quantpipe GPTQ (its defaults: act-order, range search)", dict(
         "gptq-minmax": ("quantpipe GPTQ, min-max grid", dict(method="gptq", clip="minmax")),
         "rtn": ("quantpipe RTN", dict(method="rtn")),
         "autoround": ("quantpipe --method autoround (its defaults: 200 steps, batches of 8)",
-                      dict(method="autoround"))}
+                      dict(method="autoround")),
+        "gptq-r1r4": ("quantpipe GPTQ, its defaults + --rotate R1,R4", dict(method="gptq", rotations=("R1", "R4"))),
+        "autoround-r1r4": ("quantpipe --method autoround --rotate R1,R4",
+                           dict(method="autoround", rotations=("R1", "R4")))}
 
 
 def _names(known: dict, allow_empty: bool = False):

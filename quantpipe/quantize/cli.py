@@ -54,7 +54,7 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTY
                    "ones routed to it")
 @click.option("--rotate", "rotations", default=None, metavar="R1,R4|none",
               help="orthogonal rotations before quantizing: R1 (residual stream), R4 (down projection input, "
-                   "online Hadamard); rtn and gptq [default: W8A8 R1,R4 as far as the model takes them, "
+                   "online Hadamard); rtn, gptq and autoround [default: W8A8 R1,R4 as far as the model takes them, "
                    "otherwise none]")
 @click.option("--hadamard-block-size", type=int, default=128, show_default=True,
               help="R4: size of its Hadamard blocks (a power of two dividing the MLP's intermediate size)")

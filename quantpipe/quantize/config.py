@@ -24,6 +24,7 @@ ROTATIONS = ("R1", "R4")  # QuaRot / SpinQuant's residual-stream and down-projec
 # Weight-only schemes: none. W4 g64 RTN's perplexity increase went from +42% to +101% with
 # them; W4 GPTQ's mean KL fell to 0.79x, but W4A16 GPTQ is what the CI gate's references were
 # recorded with (BENCHMARKS.md, "Rotations").
+ROTATED_METHODS = ("rtn", "gptq", "autoround")
 DEFAULT_ROTATIONS = {"W8A8": ("R1", "R4")}
 KV_STRATEGIES = ("token", "channel")  # dynamic per token and KV head; static per KV head and channel
 LEARN_DTYPES = ("auto", "bfloat16", "float32")  # autoround's steps; auto: bfloat16 where the CPU has native bf16
@@ -78,7 +79,8 @@ class QuantConfig:
     calibrate_all_experts: bool = False
     # Orthogonal rotations applied before quantizing (rotate.py): "R1" the residual stream,
     # "R4" the down projection's input (Hadamard blocks of hadamard_block_size, run online);
-    # methods rtn and gptq. None: the scheme's best measured (DEFAULT_ROTATIONS), as far as
+    # methods rtn, gptq and autoround (AWQ's scales would fold across R4's online Hadamard,
+    # which they do not commute with). None: the scheme's best measured (DEFAULT_ROTATIONS), as far as
     # the model takes them (`rotations_for`); () for none.
     rotations: tuple[str, ...] | None = None
     hadamard_block_size: int = 128
@@ -191,8 +193,8 @@ class QuantConfig:
         if any(r not in ROTATIONS for r in given) or len(set(given)) != len(given):
             raise StageError(f"rotations: each of {', '.join(ROTATIONS)} at most once (or none); got {given}")
         self.rotations = tuple(r for r in ROTATIONS if r in given)
-        if self.rotations and self.method not in ("rtn", "gptq"):
-            raise StageError(f"rotations compose with methods rtn and gptq; got method {self.method!r}")
+        if self.rotations and self.method not in ROTATED_METHODS:
+            raise StageError(f"rotations compose with methods {', '.join(ROTATED_METHODS)}; got method {self.method!r}")
         if self.rotations and self.scheme == "mixed":
             raise StageError("rotations do not compose with scheme mixed yet (its sensitivities are measured "
                              "per layer before any rotation)")

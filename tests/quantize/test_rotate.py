@@ -63,8 +63,8 @@ def test_gemma3_refuses_r1_and_bad_settings_are_named(tmp_path):
         QuantConfig(rotations=("R4",), hadamard_block_size=96)
     with pytest.raises(StageError, match=r"rotations: each of R1, R4 at most once \(or none\); got \['R2'\]"):
         QuantConfig(rotations=("R2",))
-    with pytest.raises(StageError, match="rotations compose with methods rtn and gptq; got method 'autoround'"):
-        QuantConfig(method="autoround", rotations=("R1",))
+    with pytest.raises(StageError, match="rotations compose with methods rtn, gptq, autoround; got method 'awq'"):
+        QuantConfig(method="awq", rotations=("R1",))
     with pytest.raises(StageError, match="rotations do not compose with scheme mixed"):
         QuantConfig(scheme="mixed", bits_budget=5, rotations=("R1",))
     with pytest.raises(StageError, match="candidates.0.rotations: must be a list or null; got 'R1'"):
@@ -160,6 +160,28 @@ def test_rotations_lower_a_tiny_w8a8_models_error(outlier_model, rotated_artifac
     assert held_out_kl(ref, unhooked, held) > 5 * kl["plain"]
 
 
+def test_autoround_learns_in_the_rotated_model(outlier_model, tmp_path):
+    """AutoRound with R1 + R4: learning runs through the online rotations (the same hooks as
+    serving) and lowers the held-out error of RTN with the same rotations; the artifact
+    records its transforms."""
+    ref, _, _ = load_model(outlier_model, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    calib = [torch.randint(0, 320, (48,), generator=g).tolist() for _ in range(32)]
+    held = [torch.randint(0, 320, (48,), generator=g).tolist() for _ in range(8)]
+    kl, arts = {}, {}
+    for method in ("rtn", "autoround"):
+        cfg = QuantConfig(scheme="W4A16", group_size=32, method=method, rotations=("R1", "R4"),
+                          hadamard_block_size=32, iters=60, batch_size=8, dtype="float32")
+        arts[method] = quantize(outlier_model, cfg, None, str(tmp_path / method),
+                                calib_token_ids=calib if method == "autoround" else None)
+        kl[method] = held_out_kl(ref, load_model(str(arts[method].path), torch.float32)[0], held)
+    m = arts["autoround"].manifest
+    assert sorted(m["rotations"]) == ["R1", "R4"] and m["method"] == "autoround"
+    assert all(r["kept"] == "learned" for r in m["autoround"].values()), m["autoround"]
+    # Measured: 1.07 against RTN's 1.35 (W4 g32 on a random model with outlier channels).
+    assert kl["autoround"] < 0.9 * kl["rtn"], kl
+
+
 def test_a_tampered_or_missing_transform_is_refused(rotated_artifacts, tmp_path):
     import shutil
 
@@ -213,12 +235,12 @@ def _default_model_job(runner, folder: Path) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     done = runner.run([sys.executable, "-m", "quantpipe", "calibrate", "--recipe",
                        os.path.join("calib_sets", "recipes", "sample.yaml"), "--out", str(folder / "set")],
-                      cwd=ROOT, env=env, timeout=600)
+                      cwd=ROOT, env=env, cpu_seconds=600)
     if done.returncode != 0:
         return {"failed": done}
     done = runner.run([sys.executable, "-c", "import json, sys; from tests.quantize.test_rotate import "
                        "measure_default; print(json.dumps(measure_default(sys.argv[1], sys.argv[2])))",
-                       str(folder / "set"), str(folder)], cwd=ROOT, env=env, timeout=1200)
+                       str(folder / "set"), str(folder)], cwd=ROOT, env=env, cpu_seconds=1200)
     return {"failed": done} if done.returncode != 0 else json.loads(done.stdout.strip().splitlines()[-1])
 
 
