@@ -96,68 +96,107 @@ def _readers_writers(layer) -> tuple[list, list, list]:
     return [layer.self_attn.qkv_proj], mlp_in, [layer.self_attn.o_proj] + writers
 
 
-def _down_projs(net) -> list[tuple[str, torch.nn.Linear]]:
-    return [(n, m) for n, m in net.named_modules() if n.endswith("down_proj")]
+class Rotator:
+    """One run's rotations, applied a decoder layer at a time: the whole model at once
+    (`rotate`) or each layer as layer-streamed quantization reads it in (stream.py). Every
+    tensor goes through the same float64 arithmetic either way, so both paths write the same
+    artifact."""
 
+    def __init__(self, cfg: ModelConfig, rotations: tuple[str, ...], block: int):
+        check(cfg, rotations, block)
+        self.cfg, self.rotations, self.block = cfg, rotations, block
+        self.q = random_orthogonal(cfg.hidden_size) if "R1" in rotations else None
+        self.hn = sylvester_hadamard(block).double() / math.sqrt(block) if "R4" in rotations else None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._downs = 0
 
-@torch.no_grad()
-def rotate(net, cfg: ModelConfig, rotations: tuple[str, ...], block: int) -> Rotated:
-    """Apply `rotations` to `net` (float32, whole) in place: weights rotated, the online parts
-    hooked on so that calibration sees what serving will. Returns what the artifact records."""
-    check(cfg, rotations, block)
-    groups, tensors, summary = {}, {}, {}
-    if "R1" in rotations:
-        q = random_orthogonal(cfg.hidden_size)
-        for layer in net.layers:
+    @property
+    def untied_r1(self) -> bool:
+        """R1 folds into the embeddings and lm_head (`embedding`, `head`) rather than running around them."""
+        return self.q is not None and not self.cfg.tie_word_embeddings
+
+    def around(self, net) -> None:
+        """Before any layer: a tied model's R1 runs at the embedding's output and the final
+        norm's input (hooks), so that calibration sees what serving will."""
+        if self.q is None or not self.cfg.tie_word_embeddings:
+            return
+        attach(net.embed_tokens, OnlineTransform("model.embed_tokens", "output", self.q.float(), inverse=False))
+        attach(net.norm, OnlineTransform("model.norm", "input", self.q.float(), inverse=True))
+        self.tensors |= transform_tensor("model.embed_tokens", "R1", "output", self.q)
+        self.tensors |= transform_tensor("model.norm", "R1", "input", self.q)
+
+    @torch.no_grad()
+    def layer(self, i: int, layer) -> None:
+        """Decoder layer i, its weights in place: R1 folds its input norms into their readers and
+        turns its readers and writers; R4 turns each down projection's input (hooked on)."""
+        if self.q is not None:
             attn_in, mlp_in, writers = _readers_writers(layer)
             for norm, readers in ((layer.attn_in_norm, attn_in), (layer.mlp_in_norm, mlp_in)):
                 if not isinstance(norm, RMSNorm):
                     raise StageError(f"rotations: R1 folds RMSNorm scales; {type(norm).__name__} is not one")
                 for lin in readers:
-                    lin.weight.copy_((lin.weight.double() * norm.weight.double()) @ q)
+                    lin.weight.copy_((lin.weight.double() * norm.weight.double()) @ self.q)
                 norm.weight.fill_(1.0)
             for lin in writers:
-                lin.weight.copy_(q.T @ lin.weight.double())
-        weight_output = ["re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$", "re:.*w2$"]
-        weight_input = ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$", "re:.*gate_proj$", "re:.*up_proj$",
-                        "re:.*w1$", "re:.*w3$", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$", "lm_head"]
-        apply = []
-        if cfg.tie_word_embeddings:  # the vocabulary matrix stays as it is: rotate around it at run time
-            weight_output, weight_input = weight_output[1:], weight_input[:-1]
-            embed = OnlineTransform("model.embed_tokens", "output", q.float(), inverse=False)
-            final = OnlineTransform("model.norm", "input", q.float(), inverse=True)
-            attach(net.embed_tokens, embed)
-            attach(net.norm, final)
-            apply += [{"targets": ["re:^model\\.embed_tokens$"], "location": "output", "inverse": False, "ignore": []},
-                      {"targets": ["re:^model\\.norm$"], "location": "input", "inverse": True, "ignore": []}]
-            tensors |= transform_tensor("model.embed_tokens", "R1", "output", q)
-            tensors |= transform_tensor("model.norm", "R1", "input", q)
-        else:
-            net.embed_tokens.weight.copy_(net.embed_tokens.weight.double() @ q)
-            net.lm_head.weight.copy_((net.lm_head.weight.double() * net.norm.weight.double()) @ q)
+                lin.weight.copy_(self.q.T @ lin.weight.double())
+        if self.hn is not None:
+            for local, lin in layer.named_modules():
+                if not local.endswith("down_proj"):
+                    continue
+                lin.weight.copy_((lin.weight.double().unflatten(1, (-1, self.block)) @ self.hn).flatten(1))
+                hf = "model." + checkpoint_name(self.cfg, f"layers.{i}.{local}")
+                attach(lin, OnlineTransform(hf, "input", self.hn.float(), inverse=False))
+                self.tensors |= transform_tensor(hf, "R4", "input", sylvester_hadamard(self.block))
+                self._downs += 1
+
+    def embedding(self, rows: torch.Tensor) -> torch.Tensor:
+        """Untied R1: embedding rows (float32) as the rotated model has them."""
+        return (rows.double() @ self.q).float()
+
+    def head(self, rows: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """Untied R1: lm_head rows (float32) with the final norm's scale folded in (the norm then
+        holds ones)."""
+        return ((rows.double() * norm.double()) @ self.q).float()
+
+    def result(self) -> Rotated:
+        """What the artifact records, once every layer went through `layer`."""
+        cfg, groups, summary = self.cfg, {}, {}
+        if self.q is not None:
+            weight_output = ["re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$", "re:.*w2$"]
+            weight_input = ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$", "re:.*gate_proj$", "re:.*up_proj$",
+                            "re:.*w1$", "re:.*w3$", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$", "lm_head"]
+            apply = []
+            if cfg.tie_word_embeddings:  # the vocabulary matrix stays as it is: rotated around at run time
+                weight_output, weight_input = weight_output[1:], weight_input[:-1]
+                apply += [{"targets": ["re:^model\\.embed_tokens$"], "location": "output", "inverse": False,
+                           "ignore": []},
+                          {"targets": ["re:^model\\.norm$"], "location": "input", "inverse": True, "ignore": []}]
+            apply += [{"targets": weight_output, "location": "weight_output", "inverse": False, "ignore": []},
+                      {"targets": weight_input, "location": "weight_input", "inverse": True, "ignore": []}]
+            groups["R1"] = {"type": "random-matrix", "apply": apply, "randomize": False, "requires_grad": False,
+                            "head_dim": None, "precision": "float32"}
+            summary["R1"] = {"matrix": f"random orthogonal {cfg.hidden_size} x {cfg.hidden_size}", "seed": SEED,
+                             "norms_folded": 2 * cfg.num_layers + (0 if cfg.tie_word_embeddings else 1),
+                             "online": ["model.embed_tokens output", "model.norm input"] if cfg.tie_word_embeddings
+                             else []}
+        if self.hn is not None:
+            targets = ["re:.*down_proj$", "re:.*w2$"]
+            groups["R4"] = {"type": "hadamard", "randomize": False, "requires_grad": False, "head_dim": self.block,
+                            "precision": "float32",
+                            "apply": [{"targets": targets, "location": "input", "inverse": False, "ignore": []},
+                                      {"targets": targets, "location": "weight_input", "inverse": True,
+                                       "ignore": []}]}
+            summary["R4"] = {"matrix": f"Sylvester Hadamard, blocks of {self.block}", "modules": self._downs}
+        return Rotated({"config_groups": groups}, dict(self.tensors), summary)
+
+
+    @torch.no_grad()
+    def whole(self, net) -> None:
+        """The whole model (float32, in memory) at once: every layer, the embeddings and lm_head."""
+        self.around(net)
+        for i, layer in enumerate(net.layers):
+            self.layer(i, layer)
+        if self.untied_r1:
+            net.embed_tokens.weight.copy_(self.embedding(net.embed_tokens.weight))
+            net.lm_head.weight.copy_(self.head(net.lm_head.weight, net.norm.weight))
             net.norm.weight.fill_(1.0)
-        apply += [{"targets": weight_output, "location": "weight_output", "inverse": False, "ignore": []},
-                  {"targets": weight_input, "location": "weight_input", "inverse": True, "ignore": []}]
-        groups["R1"] = {"type": "random-matrix", "apply": apply, "randomize": False, "requires_grad": False,
-                        "head_dim": None, "precision": "float32"}
-        summary["R1"] = {"matrix": f"random orthogonal {cfg.hidden_size} x {cfg.hidden_size}", "seed": SEED,
-                         "norms_folded": 2 * cfg.num_layers + (0 if cfg.tie_word_embeddings else 1),
-                         "online": ["model.embed_tokens output", "model.norm input"] if cfg.tie_word_embeddings
-                         else []}
-    if "R4" in rotations:
-        h = sylvester_hadamard(block)
-        hn = h.double() / math.sqrt(block)
-        downs = _down_projs(net)
-        for name, lin in downs:
-            w = lin.weight.double()
-            lin.weight.copy_((w.unflatten(1, (-1, block)) @ hn).flatten(1))
-            hf = "model." + checkpoint_name(cfg, name)
-            attach(lin, OnlineTransform(hf, "input", hn.float(), inverse=False))
-            tensors |= transform_tensor(hf, "R4", "input", h)
-        targets = ["re:.*down_proj$", "re:.*w2$"]
-        groups["R4"] = {"type": "hadamard", "randomize": False, "requires_grad": False, "head_dim": block,
-                        "precision": "float32",
-                        "apply": [{"targets": targets, "location": "input", "inverse": False, "ignore": []},
-                                  {"targets": targets, "location": "weight_input", "inverse": True, "ignore": []}]}
-        summary["R4"] = {"matrix": f"Sylvester Hadamard, blocks of {block}", "modules": len(downs)}
-    return Rotated({"config_groups": groups}, tensors, summary)

@@ -10,6 +10,7 @@ them unfused under the source checkpoint's names, as vLLM expects.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -42,7 +43,7 @@ from quantpipe.manifest import (
     staged_output,
 )
 from quantpipe.quantize import autoround, awq, rotate
-from quantpipe.quantize.config import ROTATIONS, QuantConfig
+from quantpipe.quantize.config import QuantConfig
 from quantpipe.quantize.gptq import HessianError, gptq
 from quantpipe.quantize.rtn import WeightScheme, rtn
 from quantpipe.quantize.stream import (
@@ -468,21 +469,25 @@ class _Checkpoint:
         self.add(f"layers.{i}.", {f"layers.{i}.{n}": qw for n, qw in quantized.items()})
 
 
-def _copy_rows(ckpt: _Checkpoint, lazy, name: str, hf_name: str) -> None:
+def _copy_rows(ckpt: _Checkpoint, lazy, name: str, hf_name: str, transform=None) -> None:
     """An unquantized matrix (the embeddings, lm_head) from the source into the checkpoint, read
     in row ranges and converted range by range: never whole in float32, and never whole at all
-    when it is larger than a shard."""
+    when it is larger than a shard. `transform` maps each range's float32 rows first (R1)."""
     def chunks():
         for rows in lazy.row_ranges(name):
-            yield lazy.get(name, ckpt.dtype, rows=rows)
+            if transform is None:
+                yield lazy.get(name, ckpt.dtype, rows=rows)
+            else:
+                yield transform(lazy.get(name, torch.float32, rows=rows)).to(ckpt.dtype)
             lazy.release()
 
     ckpt.writer.add_rows(hf_name, list(lazy.shape(name)), ckpt.dtype, chunks)
 
 
-def _compact_embedding(net, lazy, samples: list[list[int]]) -> list[list[int]]:
+def _compact_embedding(net, lazy, samples: list[list[int]], transform=None) -> list[list[int]]:
     """Streamed calibration: the embedding holds only the rows of the tokens in `samples`
-    (float32, read in row ranges); returns the samples renumbered into those rows."""
+    (float32, read in row ranges, mapped by `transform` when given); returns the samples
+    renumbered into those rows."""
     used = sorted({t for s in samples for t in s})
     rows, cols = lazy.shape("embed_tokens.weight")
     if used and not (0 <= used[0] and used[-1] < rows):
@@ -495,6 +500,8 @@ def _compact_embedding(net, lazy, samples: list[list[int]]) -> list[list[int]]:
         if hi > lo:
             compact[lo:hi] = lazy.get("embed_tokens.weight", rows=(a, b))[index[lo:hi] - a]
             lazy.release()
+    if transform is not None:
+        compact = transform(compact)
     net.embed_tokens.weight = torch.nn.Parameter(compact, requires_grad=False)
     renumber = {t: k for k, t in enumerate(used)}
     return [[renumber[t] for t in s] for s in samples]
@@ -508,9 +515,6 @@ def _streamable(cfg: QuantConfig) -> None:
     if cfg.method not in STREAMED_METHODS:
         raise StageError(f"--max-memory (layer-streamed quantization) takes method {', '.join(STREAMED_METHODS)}; "
                          f"got {cfg.method}")
-    if cfg.rotations_for(ROTATIONS):  # what it would apply to a model that takes every rotation
-        default = f" ({cfg.scheme} rotates by default: pass --rotate none)" if cfg.rotations is None else ""
-        raise StageError(f"--max-memory (layer-streamed quantization) does not take rotations yet{default}")
     why = ("mixed precision (its sensitivities need the whole model's output)" if cfg.scheme == "mixed" else
            "SmoothQuant (use --no-smoothquant)" if cfg.scheme == "W8A8" and cfg.smoothquant_alpha is not None else
            "static KV cache scales (use --kv-cache-strategy token)"
@@ -520,11 +524,13 @@ def _streamable(cfg: QuantConfig) -> None:
 
 
 def _memory_plan(net, mcfg, names: list[str], samples: list[list[int]], cfg: QuantConfig, budget: int,
-                 shard_bytes: int, scale_dtype: torch.dtype, lazy) -> MemoryPlan:
+                 shard_bytes: int, scale_dtype: torch.dtype, lazy, rotating: bool) -> MemoryPlan:
     """What the streamed run will hold at its peak (stream.plan_memory checks it against the budget)."""
     layer_bytes = max(sum(4 * p.numel() for p in layer.parameters()) for layer in net.layers)
     linears = [net.get_submodule(n) for n in names if n != "lm_head"]
     largest = max(4 * m.weight.numel() for m in linears)
+    if rotating:  # a rotation's float64 operand and product of the largest Linear, beyond the 3 copies below
+        layer_bytes += largest
     hess = 0
     if cfg.method in ("gptq", "awq"):
         hess = max(sum(12 * net.get_submodule(f"layers.{i}.{n}").in_features ** 2 for n, _ in fused_linears(mcfg, i))
@@ -633,12 +639,17 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         if got < need:
             raise StageError(f"--calib {calib}: {got} calibration tokens; {cfg.method.upper()} needs at least {need} "
                              f"(2 x the largest input size {max(in_features)}) to estimate its Hessians")
-    rotated = None
+    rotator = None
     rotations = cfg.rotations_for(rotate.takes(mcfg, cfg.hadamard_block_size))
     if rotations:  # before anything is measured on the model: calibration sees the rotated one
-        rotated = rotate.rotate(net, mcfg, rotations, cfg.hadamard_block_size)
-        phases["rotate_s"] = time.perf_counter() - t
-        t = time.perf_counter()
+        rotator = rotate.Rotator(mcfg, rotations, cfg.hadamard_block_size)
+        if streamed:  # each layer as it is read in, the embeddings and lm_head as they are copied
+            rotator.around(net)
+        else:
+            rotator.whole(net)
+            phases["rotate_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+    fold = rotator.embedding if rotator is not None and rotator.untied_r1 else None  # streamed embeddings
     kv_scales = None
     if static_kv:  # on the unquantized model, before any weight is changed
         from quantpipe.quantize.kv import static_kv_scales
@@ -680,7 +691,8 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         t = time.perf_counter()
     memory = None
     if streamed:
-        plan = _memory_plan(net, mcfg, names, samples, cfg, max_memory, max_shard_size, scale_dtype, lazy)
+        plan = _memory_plan(net, mcfg, names, samples, cfg, max_memory, max_shard_size, scale_dtype, lazy,
+                            rotating=rotator is not None)
         memory = {"streamed": True, "max_memory_mib": mib(max_memory), "max_shard_mib": mib(max_shard_size),
                   "plan": plan.describe()}
         log.info("layer-streamed: plan %s", plan.describe())
@@ -689,10 +701,11 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         ckpt = _Checkpoint(tmp, net, scheme_map, fmt, scale_dtype, max_shard_size, damp_used, awq_found)
         layers, on_layer, spill, run_samples = ResidentLayers(), None, None, samples
         if streamed:
-            layers, on_layer = StreamedLayers(net, lazy, max_memory), ckpt.add_layer
-            _copy_rows(ckpt, lazy, "embed_tokens.weight", "model.embed_tokens.weight")
+            layers = StreamedLayers(net, lazy, max_memory, on_load=rotator.layer if rotator is not None else None)
+            on_layer = ckpt.add_layer
+            _copy_rows(ckpt, lazy, "embed_tokens.weight", "model.embed_tokens.weight", fold)
             if samples:
-                run_samples = _compact_embedding(net, lazy, samples)
+                run_samples = _compact_embedding(net, lazy, samples, fold)
             if plan.on_disk:
                 spill = Path(scratch.enter_context(spill_folder(out)))
         if cfg.method in ("gptq", "awq"):
@@ -704,10 +717,18 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             quantized, rounding = _autoround_layers(net, run_samples, scheme_map, cfg, scale_dtype, layers, on_layer)
         else:
             quantized = _rtn_layers(net, scheme_map, cfg, scale_dtype, layers, on_layer)
+        head_fold = None  # streamed, untied R1: lm_head's rows as they are copied
         if streamed:
             net.norm.load_state_dict({"weight": lazy.get("norm.weight")}, assign=True)
             if "lm_head" in names:
                 net.lm_head.load_state_dict({"weight": lazy.get("lm_head.weight")}, assign=True)
+            if fold is not None:
+                norm = net.norm.weight.detach().clone()
+                head_fold = functools.partial(rotator.head, norm=norm)
+                with torch.no_grad():
+                    if "lm_head" in names:
+                        net.lm_head.weight.copy_(head_fold(net.lm_head.weight))
+                    net.norm.weight.fill_(1.0)
         if scheme_map.get("lm_head"):  # RTN's grid whatever the method (min-max but for --method rtn --clip mse)
             quantized["lm_head"] = _rtn(net.lm_head.weight, scheme_map["lm_head"], scale_dtype,
                                         cfg.clip if cfg.method == "rtn" else "minmax")
@@ -723,7 +744,8 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         if "lm_head" in quantized or not streamed:  # the net's lm_head: quantized, or as it is (none when tied)
             ckpt.add("lm_head.", {"lm_head": quantized["lm_head"]} if "lm_head" in quantized else {})
         elif not mcfg.tie_word_embeddings:
-            _copy_rows(ckpt, lazy, "lm_head.weight", "lm_head.weight")
+            _copy_rows(ckpt, lazy, "lm_head.weight", "lm_head.weight", head_fold)
+        rotated = rotator.result() if rotator is not None else None
         ckpt.add("norm.", {}, kv_scale_tensors(kv_scales or []) | (rotated.tensors if rotated else {}))
         kept = ([] if "lm_head" in names else ["lm_head"]) + ["model." + checkpoint_name(mcfg, r) for r in routers(mcfg)]
         kept += [hf for n in names if scheme_map[n] is None for hf, _ in _hf_parts(net, n)]

@@ -199,14 +199,17 @@ def plan_memory(budget: int, layer_bytes: int, largest_linear: int, hessian_byte
 class StreamedLayers:
     """Decoder layers read from the source when their turn comes and released after it."""
 
-    def __init__(self, net, lazy, budget: int):
-        self.net, self.lazy, self.budget = net, lazy, budget
+    def __init__(self, net, lazy, budget: int, on_load=None):
+        self.net, self.lazy, self.budget, self.on_load = net, lazy, budget, on_load
 
     def load(self, i: int) -> None:
+        """Layer i's weights from the source, then `on_load(i, layer)` (the run's rotations)."""
         layer = self.net.layers[i]
         state = {k: self.lazy.get(f"layers.{i}.{k}") for k in layer.state_dict()}
         layer.load_state_dict(state, strict=True, assign=True)
         self.lazy.release()
+        if self.on_load is not None:
+            self.on_load(i, layer)
 
     def free(self, i: int) -> None:
         self.net.layers[i].to("meta")

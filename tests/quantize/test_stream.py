@@ -25,20 +25,28 @@ def model_files(path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(Path(path).iterdir()) if f.name != "quantpipe.json"}
 
 
-@pytest.mark.parametrize("arch,method,scheme", [
-    ("llama-gqa-untied-llama3-rope", "gptq", "W4A16"),  # untied lm_head, act-order, the range search
-    ("qwen2-bias", "awq", "W4A16"),  # tied embeddings, q/k/v biases, scales folded into norms
-    ("gemma3-sliding-window", "rtn", "W8A16"),  # Gemma's norms and scaled embedding
-    ("qwen3-moe", "gptq", "W8A8"),  # experts, routers kept; W8A8 without SmoothQuant or rotations
-    ("qwen3-qk-norm", "autoround", "W4A16"),  # learned rounding on both activation streams
+@pytest.mark.parametrize("arch,method,scheme,rotations", [
+    ("llama-gqa-untied-llama3-rope", "gptq", "W4A16", ()),  # untied lm_head, act-order, the range search
+    ("qwen2-bias", "awq", "W4A16", ()),  # tied embeddings, q/k/v biases, scales folded into norms
+    ("gemma3-sliding-window", "rtn", "W8A16", ()),  # Gemma's norms and scaled embedding
+    ("qwen3-moe", "gptq", "W8A8", ()),  # experts, routers kept; W8A8 without SmoothQuant or rotations
+    ("qwen3-qk-norm", "autoround", "W4A16", ()),  # learned rounding on both activation streams
+    # Rotations: R1 folded into an untied model's embeddings and lm_head, run around a tied
+    # one's; R4 on every expert's down projection; Gemma 3's R4 alone (its W8A8 default).
+    ("llama-gqa-untied-llama3-rope", "gptq", "W8A8", ("R1", "R4")),
+    ("qwen3-moe", "rtn", "W8A8", ("R1", "R4")),
+    ("llama-tied", "autoround", "W4A16", ("R1", "R4")),
+    ("gemma3-sliding-window", "rtn", "W8A8", None),
 ])
-def test_streamed_artifact_is_the_whole_model_one_byte_for_byte(tmp_path, arch, method, scheme):
+def test_streamed_artifact_is_the_whole_model_one_byte_for_byte(tmp_path, arch, method, scheme, rotations):
     _, src = build(tmp_path, arch)
     extra = {"group_size": 32} if scheme == "W4A16" else {}
     if method == "autoround":
         extra.update(iters=8, batch_size=4)
+    if rotations != ():
+        extra.update(hadamard_block_size=16)
     cfg = QuantConfig(scheme=scheme, method=method, calib_samples=8, calib_seq_len=48,
-                      rotations=(), **extra)
+                      rotations=rotations, **extra)
     calib = token_ids(8, 48, 1)
     shard = 40_000  # several shards, so the grouping into files is compared too
     whole = quantize(src, cfg, None, str(tmp_path / "whole"), calib_token_ids=calib, max_shard_size=shard)
@@ -68,6 +76,8 @@ def test_streamed_artifact_is_the_whole_model_one_byte_for_byte(tmp_path, arch, 
         {k: v for k, v in whole.manifest.items() if k not in run_only}
     if method == "gptq":
         assert all(v["dampening"] is not None for v in streamed.manifest["layers"].values())
+    if rotations != ():
+        assert sorted(streamed.manifest["rotations"]) == sorted(rotations or ("R4",))
     assert whole.manifest["memory"] is None
     memory = streamed.manifest["memory"]
     assert memory["streamed"] and memory["peak_rss_mib"] <= 8 * 1024 and memory["plan"]["activations_on"] == "memory"
@@ -117,8 +127,6 @@ def test_a_budget_too_small_or_an_option_it_lacks_is_refused_before_writing(tmp_
         quantize(src, QuantConfig(scheme="mixed", bits_budget=5.0), None, str(out), max_memory=GIB)
     with pytest.raises(StageError, match="does not take SmoothQuant"):
         quantize(src, QuantConfig(scheme="W8A8", smoothquant_alpha=0.5, rotations=()), None, str(out), max_memory=GIB)
-    with pytest.raises(StageError, match=r"does not take rotations yet \(W8A8 rotates by default: pass --rotate none\)"):
-        quantize(src, QuantConfig(scheme="W8A8"), None, str(out), max_memory=GIB)
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["llama-tied"]
     assert parse_size("1.5GB", "--max-memory") == 1_500_000_000 and parse_size("512MiB", "x") == 512 * 1024 ** 2
     with pytest.raises(StageError, match=r"--max-memory '1.5 gallons': give a size such as 1.5GB"):
