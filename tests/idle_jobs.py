@@ -153,6 +153,8 @@ class IdleJobs:
             return {key: future.result(timeout=max(0.0, deadline - time.monotonic()))
                     for key, future in futures.items()}
         except FutureTimeout:
+            if all(f.done() for f in ([futures] if isinstance(futures, Future) else futures.values())):
+                raise  # the job's own TimeoutError, not the wait's
             raise AssertionError(f"the idle job of {name} did not finish within {wait:g} s of its test's wait, "
                                  "with the rest of the suite done: a command hangs") from None
 
