@@ -23,6 +23,7 @@ after each sublayer scale the stream's channels one by one, which does not commu
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ SEED = 0  # R1's matrix: the same model and settings give the same artifact
 
 @dataclass
 class Rotated:
-    """What `rotate` did: compressed-tensors' transform_config, the online transforms'
+    """What a run's rotations did: compressed-tensors' transform_config, the online transforms'
     tensors (checkpoint names), and the manifest's summary."""
 
     transform_config: dict
@@ -98,17 +99,17 @@ def _readers_writers(layer) -> tuple[list, list, list]:
 
 class Rotator:
     """One run's rotations, applied a decoder layer at a time: the whole model at once
-    (`rotate`) or each layer as layer-streamed quantization reads it in (stream.py). Every
+    (`whole`) or each layer as layer-streamed quantization reads it in (stream.py). Every
     tensor goes through the same float64 arithmetic either way, so both paths write the same
     artifact."""
 
     def __init__(self, cfg: ModelConfig, rotations: tuple[str, ...], block: int):
         check(cfg, rotations, block)
-        self.cfg, self.rotations, self.block = cfg, rotations, block
+        self.cfg, self.block = cfg, block
         self.q = random_orthogonal(cfg.hidden_size) if "R1" in rotations else None
-        self.hn = sylvester_hadamard(block).double() / math.sqrt(block) if "R4" in rotations else None
+        self.h = sylvester_hadamard(block) if "R4" in rotations else None  # as stored: entries +-1
+        self.hn = None if self.h is None else self.h.double() / math.sqrt(block)  # orthonormal, to fold
         self.tensors: dict[str, torch.Tensor] = {}
-        self._downs = 0
 
     @property
     def untied_r1(self) -> bool:
@@ -146,8 +147,7 @@ class Rotator:
                 lin.weight.copy_((lin.weight.double().unflatten(1, (-1, self.block)) @ self.hn).flatten(1))
                 hf = "model." + checkpoint_name(self.cfg, f"layers.{i}.{local}")
                 attach(lin, OnlineTransform(hf, "input", self.hn.float(), inverse=False))
-                self.tensors |= transform_tensor(hf, "R4", "input", sylvester_hadamard(self.block))
-                self._downs += 1
+                self.tensors |= transform_tensor(hf, "R4", "input", self.h)
 
     def embedding(self, rows: torch.Tensor) -> torch.Tensor:
         """Untied R1: embedding rows (float32) as the rotated model has them."""
@@ -186,9 +186,8 @@ class Rotator:
                             "apply": [{"targets": targets, "location": "input", "inverse": False, "ignore": []},
                                       {"targets": targets, "location": "weight_input", "inverse": True,
                                        "ignore": []}]}
-            summary["R4"] = {"matrix": f"Sylvester Hadamard, blocks of {self.block}", "modules": self._downs}
+            summary["R4"] = {"matrix": f"Sylvester Hadamard, blocks of {self.block}", "modules": sum(k.endswith(".R4_input.weight") for k in self.tensors)}
         return Rotated({"config_groups": groups}, dict(self.tensors), summary)
-
 
     @torch.no_grad()
     def whole(self, net) -> None:
@@ -198,5 +197,13 @@ class Rotator:
             self.layer(i, layer)
         if self.untied_r1:
             net.embed_tokens.weight.copy_(self.embedding(net.embed_tokens.weight))
-            net.lm_head.weight.copy_(self.head(net.lm_head.weight, net.norm.weight))
-            net.norm.weight.fill_(1.0)
+            net.lm_head.weight.copy_(self.fold_final_norm(net)(net.lm_head.weight))
+
+    @torch.no_grad()
+    def fold_final_norm(self, net):
+        """Untied R1: the final norm's scale moves into lm_head (the norm then holds ones).
+        Returns the map of lm_head's float32 rows, for the caller to apply to the matrix in
+        memory or range by range as it is copied."""
+        norm = net.norm.weight.detach().clone()
+        net.norm.weight.fill_(1.0)
+        return functools.partial(self.head, norm=norm)

@@ -10,7 +10,6 @@ them unfused under the source checkpoint's names, as vLLM expects.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -723,12 +722,10 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             if "lm_head" in names:
                 net.lm_head.load_state_dict({"weight": lazy.get("lm_head.weight")}, assign=True)
             if fold is not None:
-                norm = net.norm.weight.detach().clone()
-                head_fold = functools.partial(rotator.head, norm=norm)
-                with torch.no_grad():
-                    if "lm_head" in names:
+                head_fold = rotator.fold_final_norm(net)
+                if "lm_head" in names:
+                    with torch.no_grad():
                         net.lm_head.weight.copy_(head_fold(net.lm_head.weight))
-                    net.norm.weight.fill_(1.0)
         if scheme_map.get("lm_head"):  # RTN's grid whatever the method (min-max but for --method rtn --clip mse)
             quantized["lm_head"] = _rtn(net.lm_head.weight, scheme_map["lm_head"], scale_dtype,
                                         cfg.clip if cfg.method == "rtn" else "minmax")
