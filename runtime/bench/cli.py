@@ -61,7 +61,9 @@ def run_command(**options) -> int:
 @bench.command("sweep", help="baseline -> ramp -> knee -> capacity (-> soak)")
 @common_options
 @click.option("--stage-duration", type=float, default=30.0, show_default=True, help="seconds of arrivals per level")
-@click.option("--max-stage-requests", type=int, default=5000, show_default=True)
+@click.option("--min-stage-requests", type=click.IntRange(min=1), default=20, show_default=True,
+              help="requests of each level at the least, however low its rate (a low rate then runs longer)")
+@click.option("--max-stage-requests", type=click.IntRange(min=1), default=5000, show_default=True)
 @click.option("--baseline-requests", type=int, default=10, show_default=True)
 @click.option("--growth", type=float, default=2.0, show_default=True, help="rate multiplier between ramp levels")
 @click.option("--max-levels", type=int, default=10, show_default=True)
@@ -148,7 +150,12 @@ def _execute(args, kind: str) -> int:
         return 2
     cfg = SweepConfig()
     if kind == "sweep":
-        cfg = SweepConfig(stage_duration_s=args.stage_duration, max_stage_requests=args.max_stage_requests,
+        if args.min_stage_requests > args.max_stage_requests:
+            print(f"error: --min-stage-requests {args.min_stage_requests} is above --max-stage-requests "
+                  f"{args.max_stage_requests}", file=sys.stderr)
+            return 2
+        cfg = SweepConfig(stage_duration_s=args.stage_duration, min_stage_requests=args.min_stage_requests,
+                          max_stage_requests=args.max_stage_requests,
                           baseline_requests=args.baseline_requests, growth=args.growth, max_levels=args.max_levels,
                           soak_duration_s=args.soak_duration, soak_fraction=args.soak_fraction,
                           headroom=args.headroom, target_peak=args.target_peak,

@@ -71,3 +71,12 @@ def test_compare_cli(sweep, capsys):
     rows = json.loads(out.read_text())
     assert rows and all(r["verdict"] in ("no significant change", "no CI (one number per run)") for r in rows)
     assert main(["bench", "compare", str(sweep / "r.json"), str(sweep / "nope.json")]) == 2
+
+
+def test_sweep_refuses_a_floor_above_the_cap(tmp_path, capsys):
+    wl = tmp_path / "w.json"
+    wl.write_text(json.dumps({"num_requests": 4, "output_tokens": 4}))
+    rc = main(["bench", "sweep", "--url", "http://127.0.0.1:9", "--workload", str(wl), "--min-stage-requests", "30",
+               "--max-stage-requests", "24", "--output-dir", str(tmp_path), "--no-progress", "--quiet"])
+    assert rc == 2 and "--min-stage-requests 30 is above --max-stage-requests 24" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [wl]  # nothing written

@@ -18,7 +18,8 @@ def test_sweep_against_quantpipe_serve(tmp_path):
         wl.write_text(json.dumps({"num_requests": 12, "prompt_tokens": {"dist": "uniform", "low": 16, "high": 64},
                                   "output_tokens": 8, "ignore_eos": True, "arrival": {"process": "poisson", "rate": 1}}))
         rc = main(["bench", "sweep", "--url", server.url, "--workload", str(wl), "--stage-duration", "2",
-                   "--baseline-requests", "3", "--growth", "4", "--max-levels", "3", "--max-stage-requests", "24",
+                   "--baseline-requests", "3", "--growth", "4", "--max-levels", "3", "--min-stage-requests", "6",
+                   "--max-stage-requests", "24",
                    "--no-progress", "--quiet", "--output-dir", str(tmp_path), "--name", "real",
                    "--scrape-interval", "0.5", "--timeout", "60"])
         assert rc == 0, server.logs()
