@@ -37,11 +37,6 @@ CONFIGS = {
     "w4g64-mse": dict(scheme="W4A16", group_size=64, clip="mse"),
     "w4g64-gptq": dict(scheme="W4A16", group_size=64, method="gptq", clip="minmax", rotations=()),
     "w4g64-gptq-mse": dict(scheme="W4A16", group_size=64, method="gptq", clip="mse", rotations=()),
-    "w4g64-gptq-mse-refit1": dict(scheme="W4A16", group_size=64, method="gptq", rotations=(), scale_refits=1),
-    "w4g64-gptq-mse-refit3": dict(scheme="W4A16", group_size=64, method="gptq", rotations=(), scale_refits=3),
-    "w4g64-gptq-mse-fp": dict(scheme="W4A16", group_size=64, method="gptq", rotations=(), fp_targets=True),
-    "w4g64-gptq-mse-fp-refit1": dict(scheme="W4A16", group_size=64, method="gptq", rotations=(), fp_targets=True,
-                                     scale_refits=1),
     "w4g64-gptq-actorder": dict(scheme="W4A16", group_size=64, method="gptq", act_order=True, clip="minmax", rotations=()),
     "w4g32-asym-rtn": dict(scheme="W4A16", group_size=32, symmetric=False),
     "w8a8": dict(scheme="W8A8"),  # the default: R1 + R4 as far as the model takes them, no SmoothQuant

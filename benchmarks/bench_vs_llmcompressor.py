@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_vs_llmcompressor.py --calib calib_sets/sample-set \
         [--heldout calib_sets/sample-set] [--calib-samples 128 --calib-seq-len 512] \
         [--lc-observers default,imatrix_mse] [--same-length 256 --autoround] \
-        [--ours gptq,gptq-no-refit,gptq-minmax,rtn,autoround,gptq-r1r4,autoround-r1r4]
+        [--ours gptq,gptq-minmax,rtn,autoround,gptq-r1r4,autoround-r1r4]
 
 llmcompressor and auto-round pin transformers and compressed-tensors versions other than
 quantpipe's, so each runs in a virtualenv of its own. The default model is written as a
@@ -15,8 +15,7 @@ group 64 symmetric, lm_head kept. llm-compressor runs GPTQModifier (dampening 0.
 per weight observer: its default min-max, and `imatrix_mse` (an importance-weighted range
 search, its README's best W4A16 result). `--autoround` adds auto-round's own quantizer with
 its defaults. quantpipe runs (`--ours`) GPTQ with its defaults (act-order with static
-groups, the range search, least-squares scale refits), the same without the refits, GPTQ on
-the min-max grid and RTN, and on request its own
+groups, the range search), GPTQ on the min-max grid and RTN, and on request its own
 `--method autoround`, and GPTQ or AutoRound after the R1 + R4 rotations. Each artifact is loaded by quantpipe's
 loader in float32 and scored against the source model on the held-out texts by the
 teacher-forced scorer; the table's ratio is each perplexity increase over the best
@@ -45,8 +44,7 @@ LC_NAMES = {"default": "llm-compressor GPTQModifier", "imatrix_mse": "llm-compre
 
 
 # quantpipe's runs: the table's name and the QuantConfig fields beside the shared ones.
-OURS = {"gptq": ("quantpipe GPTQ (its defaults: act-order, range search, scale refits)", dict(method="gptq")),
-        "gptq-no-refit": ("quantpipe GPTQ, its defaults but --scale-refits 0", dict(method="gptq", scale_refits=0)),
+OURS = {"gptq": ("quantpipe GPTQ (its defaults: act-order, range search)", dict(method="gptq")),
         "gptq-minmax": ("quantpipe GPTQ, min-max grid", dict(method="gptq", clip="minmax")),
         "rtn": ("quantpipe RTN", dict(method="rtn")),
         "autoround": ("quantpipe --method autoround (its defaults: 200 steps, batches of 8)",

@@ -48,14 +48,6 @@ class QuantConfig:
     # original order (actorder "weight"). On the shipped sample it took W4 g64's perplexity
     # increase from +30.8% to +20.7% (RTN +42.3%, llm-compressor's GPTQModifier +21.9%).
     act_order: bool = True
-    # GPTQ, symmetric grids: rounds of refitting each row's group scales by least squares for
-    # the codes GPTQ chose (the layer's output error, groups coupled through H), then GPTQ
-    # again on the refitted scales. None: the method's default (0: off).
-    scale_refits: int | None = None
-    # GPTQ: quantize each Linear towards the unquantized model's outputs rather than its own
-    # float outputs on the quantized model's inputs (GPTAQ's asymmetric calibration: the error
-    # the layers before it left is corrected too). Costs a forward pass of the unquantized model.
-    fp_targets: bool = False
     # autoround: sign-gradient steps per decoder layer, and calibration sequences per step
     # (auto-round's defaults; its step size is 1 / iters).
     iters: int = 200
@@ -170,15 +162,6 @@ class QuantConfig:
                              f"got {self.kv_cache_strategy!r}")
         if self.clip is None:
             self.clip = "mse" if self.method == "gptq" else "minmax"
-        if self.fp_targets and self.method != "gptq":
-            raise StageError(f"fp_targets is a GPTQ target; got method {self.method!r}")
-        if self.scale_refits is None:
-            self.scale_refits = 0
-        elif self.scale_refits < 0:
-            raise StageError(f"scale_refits must be >= 0, got {self.scale_refits}")
-        elif self.scale_refits and (self.method != "gptq" or not self.symmetric):
-            raise StageError(f"scale_refits refits GPTQ's symmetric scales; got method {self.method!r}"
-                             + ("" if self.symmetric else " with asymmetric grids"))
         if self.clip not in CLIPS:
             raise StageError(f"clip must be one of {', '.join(CLIPS)}; got {self.clip!r}")
         if self.group_size is not None and self.group_size not in GROUP_SIZES:
@@ -252,11 +235,11 @@ class QuantConfig:
 
 # The type each field takes from plain data (YAML): ints are accepted where floats are.
 _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "clip": str,
-          "dampening": (int, float), "block_size": int, "act_order": bool, "scale_refits": int, "fp_targets": bool, "iters": int, "batch_size": int,
+          "dampening": (int, float), "block_size": int, "act_order": bool, "iters": int, "batch_size": int,
           "learn_dtype": str, "calib_samples": int, "calib_seq_len": int, "quantize_lm_head": bool, "dtype": str,
           "smoothquant_alpha": (int, float),
           "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
           "kv_cache_strategy": str, "calibrate_all_experts": bool, "rotations": list,
           "hadamard_block_size": int}
-_OPTIONAL = {"group_size", "clip", "scale_refits", "smoothquant_alpha", "bits_budget", "rotations"}  # null is a value of these
+_OPTIONAL = {"group_size", "clip", "smoothquant_alpha", "bits_budget", "rotations"}  # null is a value of these
 assert set(_TYPES) == {f.name for f in dataclasses.fields(QuantConfig)}, "every field needs a type for from_dict"

@@ -38,13 +38,11 @@ def inverse_hessian_cholesky(h: torch.Tensor, dampening: float, retries: int = 4
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: float = 0.01, block_size: int = 128,
-         act_order: bool = False, scale_dtype: torch.dtype = torch.float32, shrink: torch.Tensor | None = None,
-         scale: torch.Tensor | None = None):
+         act_order: bool = False, scale_dtype: torch.dtype = torch.float32, shrink: torch.Tensor | None = None):
     """(q int8 [N, K], scale [N, G], zero or None, dampening used) for weight w [N, K].
 
     `shrink` [N, G] narrows each group's range before its grid is fixed (a clipping search's
-    result, e.g. `awq.search_clip`); None keeps min-max. `scale` [N, G] fixes a symmetric
-    grid's scales instead (`refit_scales`' result), static as with act-order."""
+    result, e.g. `awq.search_clip`); None keeps min-max."""
     w = w.detach().float().clone()
     h = h.detach().double().clone()
     n, k = w.shape
@@ -55,21 +53,15 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
     # In column order a group's scale comes from its weights as updated so far, so a group must
     # not straddle two blocks: blocks of max(block_size, gs) columns, a multiple of gs when gs is
     # the smaller. Per-channel grids (gs = K, any K) and act-order (scales fixed up front) are free.
-    static = act_order or scale is not None
-    if scale is not None and not scheme.symmetric:
-        raise ValueError("fixed scales are for symmetric grids")
-    if not static and gs < block_size and block_size % gs:
+    if not act_order and gs < block_size and block_size % gs:
         raise ValueError(f"block_size {block_size} must be a multiple of group_size {gs}")
 
     # Scales (and zero points) of each group as rows [G, N].
-    if static:
-        # From the original weights (or given), fixed before any column moves (static groups).
-        if scale is None:
-            scale, zero = qparams(w, scheme, 1.0 if shrink is None else shrink)
-        else:
-            zero = None
+    if act_order:
+        # From the original weights, fixed before any column moves (static groups).
+        scale, zero = qparams(w, scheme, 1.0 if shrink is None else shrink)
         scale_t, zero_t = scale.to(scale_dtype).float().t().contiguous(), None if zero is None else zero.t().contiguous()
-        perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
+        perm = torch.argsort(torch.diag(h), descending=True)
     else:
         # Filled as each group starts, from its weights as updated so far.
         scale_t, zero_t = torch.zeros(k // gs, n), None if scheme.symmetric else torch.zeros(k // gs, n)
@@ -82,7 +74,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
     hinv = hinv.float()
     group_of = (perm // gs).tolist()  # original group of each (permuted) column
     q_out = torch.empty(k, n, dtype=torch.int8)
-    step = max(block_size, gs) if not static else block_size
+    step = max(block_size, gs) if not act_order else block_size
     per_group = WeightScheme(scheme.num_bits, None, scheme.symmetric)
     q_min, q_max = scheme.q_min, scheme.q_max
     qf = torch.empty(step, n)  # a block's grid values
@@ -94,7 +86,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if not static and col % gs == 0:
+            if not act_order and col % gs == 0:
                 # The group's grid, from its weights as updated so far.
                 g = col // gs
                 s, z = qparams(w1[i:i + gs].t(), per_group, 1.0 if shrink is None else shrink[:, g:g + 1])
@@ -125,45 +117,3 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: WeightScheme, dampening: floa
             wt[i2:] -= (err1[:i2 - i1].t() @ hinv[i1:i2, i2:]).t()
     return (q_out[inv_perm].t().contiguous(), scale_t.t().contiguous(),
             None if zero_t is None else zero_t.t().contiguous(), used)
-
-
-def refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Symmetric grids: each row's group scales, refitted by least squares for the codes GPTQ
-    chose, minimizing the layer's output error (w - s q) H (w - s q)^T over the row's scales
-    at once (groups are coupled through H). [N, G] float64; where a row's solve does not lower
-    that error or flips a scale's sign (a group without a nonzero code, a singular system), the
-    row keeps `scale`."""
-    n, k = w.shape
-    g = scale.shape[1]
-    gs = k // g
-    w, h, c = w.double(), h.double(), q.double()
-    s0 = scale.double()
-    # A[n] = C_n^T H C_n with C_n [K, G] the row's codes, one column per group; b[n] = C_n^T H w_n.
-    u = torch.einsum("ihj,nhj->nih", h.view(k, g, gs), c.view(n, g, gs))  # [N, K, G]: H C_n
-    a = torch.einsum("ngi,ngih->ngh", c.view(n, g, gs), u.view(n, g, gs, g))
-    b = (c * (w @ h)).view(n, g, gs).sum(-1)
-    ridge = 1e-9 * a.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-30)[:, None, None] * torch.eye(g, dtype=a.dtype)
-    s = torch.linalg.solve(a + ridge, (b + (ridge @ s0[..., None])[..., 0])[..., None])[..., 0]
-
-    def err(sc):
-        d = w - (c.view(n, g, gs) * sc[..., None]).view(n, k)
-        return ((d @ h) * d).sum(-1)
-
-    better = torch.isfinite(s).all(-1) & (s * s0 > 0).all(-1) & (err(s) < err(s0))
-    return torch.where(better[:, None], s, s0)
-
-
-def fp_target(w: torch.Tensor, h: torch.Tensor, d: torch.Tensor, dampening: float) -> torch.Tensor:
-    """GPTAQ's asymmetric calibration as a GPTQ target: the weight W' whose outputs on the
-    quantized model's inputs X come closest to the unquantized model's outputs X_fp W^T.
-    With H = 2 X^T X / n and D = 2 (X_fp - X)^T X / n, W' = W + W D H^-1 (H dampened as GPTQ
-    dampens it), so ||X_fp W^T - X Q^T|| = ||X W'^T - X Q^T|| + a constant: GPTQ on W'
-    minimizes the error against the unquantized path, not against this layer alone."""
-    hd = h.double().clone()
-    dead = torch.diag(hd) == 0
-    hd[dead, dead] = 1
-    hd.diagonal().add_(dampening * torch.mean(torch.diag(hd)).item())
-    low = torch.linalg.cholesky(hd)
-    wd = w.double()
-    # (W D) H^-1 = (H^-1 (W D)^T)^T, H symmetric
-    return (wd + torch.cholesky_solve((wd @ d.double()).t(), low).t()).float()

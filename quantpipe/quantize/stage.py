@@ -10,7 +10,6 @@ them unfused under the source checkpoint's names, as vLLM expects.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -44,7 +43,7 @@ from quantpipe.manifest import (
 )
 from quantpipe.quantize import autoround, awq, rotate
 from quantpipe.quantize.config import QuantConfig
-from quantpipe.quantize.gptq import HessianError, fp_target, gptq, refit_scales
+from quantpipe.quantize.gptq import HessianError, gptq
 from quantpipe.quantize.rtn import WeightScheme, rtn
 from quantpipe.quantize.stream import (
     Activations,
@@ -215,8 +214,8 @@ def _mirror(h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer, all_experts: bool = False,
-                    fp_xs=None) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, torch.Tensor], list]:
+def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer, all_experts: bool = False
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """H = 2 X^T X / n (float32) of each Linear in `mods` of layer i over the calibration tokens
     reaching it, and how many tokens the router sent it (experts see only theirs).
 
@@ -225,20 +224,11 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
 
     Without experts, every pass calls the Linears in the same order, so after the first pass
     each stops at the last one's input (that pass's output is not used): on the default
-    model the down projection is not computed twice per layer.
-
-    `fp_xs`: the unquantized model's inputs of layer i (fp_targets). Each sequence then also
-    runs through the layer from them first, and every Linear outside the experts gets
-    D = 2 (X_fp - X)^T X / n beside its H (GPTAQ's cross term; an expert's tokens differ
-    between the two routings). Returns (H, routed, D, the layer's outputs from `fp_xs`)."""
+    model the down projection is not computed twice per layer."""
     hs = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in mods.items()}
-    crossed = [n for n in mods if ".experts." not in n] if fp_xs is not None else []
-    ds = {n: torch.zeros(mods[n].in_features, mods[n].in_features, dtype=torch.float64) for n in crossed}
-    fp_inputs: dict[str, torch.Tensor] = {}  # this sequence's Linear inputs on the unquantized path
-    fp_outs: list = []
     rows = dict.fromkeys(mods, 0)
     routed = dict.fromkeys(mods, 0)
-    probing = {"on": False, "fp": False}  # inside the all-experts pass; on the unquantized path
+    probing = {"on": False}  # inside the all-experts pass
     order: list[str] | None = []  # the Linears in the order the first pass calls them; None after it
     last = None  # the Linear whose input ends each later pass (layers without experts)
 
@@ -247,10 +237,6 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
 
         def f(module, inputs):
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
-            if probing["fp"]:
-                if name in ds:
-                    fp_inputs[name] = x.double()
-                return
             if not probing["on"]:
                 routed[name] += x.shape[0]
                 if expert and all_experts:  # its H comes from the all-experts pass
@@ -258,9 +244,6 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
             # float64 throughout: float32 products per sequence (2x faster) lowered GPTQ's
             # top-1 agreement by 0.7 points on the CI gate's W4A16 candidate, past its tolerance.
             _add_gram(hs[name], x.double())
-            if name in fp_inputs:
-                xd = x.double()
-                ds[name].addmm_((fp_inputs.pop(name) - xd).t(), xd)
             rows[name] += x.shape[0]
             if order is not None:
                 order.append(name)
@@ -280,26 +263,18 @@ def _layer_hessians(i: int, mods: dict[str, torch.nn.Module], passes, xs, layer,
     if all_experts and isinstance(layer.mlp, SparseMoE):
         handles.append(layer.mlp.register_forward_pre_hook(probe))
     with torch.inference_mode():
-        for p, x, x_fp in zip(passes, xs, fp_xs if fp_xs is not None else itertools.repeat(None)):
-            if x_fp is not None:
-                probing["fp"] = True
-                try:
-                    fp_outs.append(p.layer(i, x_fp))
-                finally:
-                    probing["fp"] = False
+        for p, x in zip(passes, xs):
             try:
                 p.layer(i, x)
             except _InputsTaken:
                 pass
-            fp_inputs.clear()
             if order is not None:  # the first pass: each Linear once, in a fixed order without experts
                 if not any(".experts." in n for n in mods) and sorted(order) == sorted(mods):
                     last = order[-1]
                 order = None
     for hnd in handles:
         hnd.remove()
-    return ({n: (2 * _mirror(h) / max(rows[n], 1)).float() for n, h in hs.items()}, routed,
-            {n: 2 * d / max(rows[n], 1) for n, d in ds.items()}, fp_outs)
+    return {n: (2 * _mirror(h) / max(rows[n], 1)).float() for n, h in hs.items()}, routed
 
 
 def _expert_report(cfg, i: int, routed: dict[str, int], all_experts: bool) -> dict | None:
@@ -331,12 +306,6 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
     passes = [SequencePass(model, ids) for ids in samples]
     with torch.inference_mode():
         xs = Activations((p.embed() for p in passes), spill)
-        fp_xs = None
-        if cfg.fp_targets:  # the unquantized model's hidden states, beside the quantized one's
-            fp_spill = None if spill is None else spill / "fp"
-            if fp_spill is not None:
-                fp_spill.mkdir()
-            fp_xs = Activations((p.embed() for p in passes), fp_spill)
     out: dict[str, QuantWeight] = {}
     damp_used = {} if damp_used is None else damp_used
     awq_found = {} if awq_found is None else awq_found
@@ -344,10 +313,7 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
     for i, layer in enumerate(model.layers):
         layers.load(i)
         mods = {n: layer.get_submodule(n) for n, _ in fused_linears(model.config, i) if schemes.get(f"layers.{i}.{n}")}
-        hs, routed, ds, fp_outs = _layer_hessians(i, mods, passes, xs, layer, cfg.calibrate_all_experts, fp_xs)
-        if fp_xs is not None:
-            fp_xs = fp_xs.replace(fp_outs)
-            del fp_outs
+        hs, routed = _layer_hessians(i, mods, passes, xs, layer, cfg.calibrate_all_experts)
         report = _expert_report(model.config, i, routed, cfg.calibrate_all_experts)
         if report is not None:
             experts[f"layers.{i}"] = report
@@ -366,19 +332,13 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
                 q, scale, zero = awq.quantize_clipped(mod.weight.float(), hs[local_name], scheme, scale_dtype)
                 qw = QuantWeight(q, scale, zero, scheme.num_bits, scheme.group_size)
             else:
-                target = mod.weight.float()
                 shrink = None
+                if cfg.clip == "mse":
+                    shrink = awq.search_clip(mod.weight.float(), hs[local_name], scheme,
+                                             GPTQ_CLIP_SHRINKS[scheme.num_bits])
                 try:
-                    if local_name in ds:  # the unquantized path's outputs, seen from the quantized inputs
-                        target = fp_target(target, hs[local_name], ds[local_name], cfg.dampening)
-                    if cfg.clip == "mse":
-                        shrink = awq.search_clip(target, hs[local_name], scheme, GPTQ_CLIP_SHRINKS[scheme.num_bits])
-                    q, scale, zero, used = gptq(target, hs[local_name], scheme, cfg.dampening, cfg.block_size,
+                    q, scale, zero, used = gptq(mod.weight, hs[local_name], scheme, cfg.dampening, cfg.block_size,
                                                 cfg.act_order, scale_dtype, shrink)
-                    for _ in range(cfg.scale_refits):
-                        scale = refit_scales(target, hs[local_name], q, scale).to(scale_dtype).float()
-                        q, scale, zero, used = gptq(target, hs[local_name], scheme, cfg.dampening,
-                                                    cfg.block_size, cfg.act_order, scale_dtype, scale=scale)
                 except HessianError as e:
                     raise StageError(f"{name}: {e}") from None
                 damp_used[name] = used
@@ -386,7 +346,7 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
             out[name] = qw
             with torch.no_grad():  # later layers calibrate on this layer's quantized outputs
                 mod.weight.copy_(qw.dequantize(mod.weight.dtype))
-        del hs, ds
+        del hs
         with torch.inference_mode():
             xs = xs.replace(p.layer(i, x) for p, x in zip(passes, xs))
         if on_layer is not None:  # the layer's weights go to the artifact now and are not kept
