@@ -8,10 +8,12 @@ lose their few huge channels, and the weights their few huge columns.
   decoder layer's input norms are first folded into the Linears that read them (their
   scale moves into the weights' columns, so the norm only normalizes, which commutes with
   Q); the Linears that read the stream then take W Q, the ones that write it (o_proj,
-  down_proj) Q^T W. The embeddings and lm_head take it too when they are separate
-  matrices; when they are tied, the embedding's output is rotated at run time and the
-  final norm's input rotated back (two [hidden x hidden] products per token, instead of a
-  second copy of the vocabulary matrix).
+  down_proj) Q^T W. The embeddings and lm_head take it too (the final norm's scale folded
+  into lm_head first). A tied model is untied for it (`Rotator.untie`), as llm-compressor's
+  SpinQuant does: lm_head becomes a copy of the embeddings, so each matrix takes R1 on its
+  own side. That costs a second vocabulary matrix in the artifact, but vLLM applies
+  transforms to Linear layers only, so R1 run around a shared matrix at run time (at an
+  embedding's output and a norm's input) would be lost there.
 - **R4**, the down projection's input: Sylvester's Hadamard matrix in blocks of
   `hadamard_block_size`, applied at run time before down_proj (its inverse folded into the
   weights), since the SiLU/GELU product in front of it is not linear.
@@ -23,11 +25,13 @@ after each sublayer scale the stream's channels one by one, which does not commu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from quantpipe.formats.artifact import OnlineTransform, sylvester_hadamard, transform_tensor
 from quantpipe.manifest import StageError
@@ -110,21 +114,25 @@ class Rotator:
         self.h = sylvester_hadamard(block) if "R4" in rotations else None  # as stored: entries +-1
         self.hn = None if self.h is None else self.h.double() / math.sqrt(block)  # orthonormal, to fold
         self.tensors: dict[str, torch.Tensor] = {}
+        self.untied = False  # lm_head made a matrix of its own for R1 (`untie`)
 
     @property
     def untied_r1(self) -> bool:
-        """R1 folds into the embeddings and lm_head (`embedding`, `head`) rather than running around them."""
-        return self.q is not None and not self.cfg.tie_word_embeddings
+        """R1 folds into the embeddings and lm_head (`embedding`, `head`)."""
+        return self.q is not None
 
-    def around(self, net) -> None:
-        """Before any layer: a tied model's R1 runs at the embedding's output and the final
-        norm's input (hooks), so that calibration sees what serving will."""
+    def untie(self, net) -> ModelConfig:
+        """Before anything else, when R1 meets a tied model: lm_head becomes a copy of the
+        embeddings (on the meta device for a layer-streamed skeleton, whose lm_head is then
+        copied from the source's embeddings range by range), and the model's configuration
+        says so. Returns that configuration; a model without R1 or without ties is left as is."""
         if self.q is None or not self.cfg.tie_word_embeddings:
-            return
-        attach(net.embed_tokens, OnlineTransform("model.embed_tokens", "output", self.q.float(), inverse=False))
-        attach(net.norm, OnlineTransform("model.norm", "input", self.q.float(), inverse=True))
-        self.tensors |= transform_tensor("model.embed_tokens", "R1", "output", self.q)
-        self.tensors |= transform_tensor("model.norm", "R1", "input", self.q)
+            return self.cfg
+        self.cfg = dataclasses.replace(self.cfg, tie_word_embeddings=False)
+        net.config = self.cfg
+        net.lm_head.weight = nn.Parameter(net.lm_head.weight.detach().clone(), requires_grad=False)
+        self.untied = True
+        return self.cfg
 
     @torch.no_grad()
     def layer(self, i: int, layer) -> None:
@@ -165,20 +173,16 @@ class Rotator:
             weight_output = ["re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$", "re:.*w2$"]
             weight_input = ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$", "re:.*gate_proj$", "re:.*up_proj$",
                             "re:.*w1$", "re:.*w3$", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$", "lm_head"]
-            apply = []
-            if cfg.tie_word_embeddings:  # the vocabulary matrix stays as it is: rotated around at run time
-                weight_output, weight_input = weight_output[1:], weight_input[:-1]
-                apply += [{"targets": ["re:^model\\.embed_tokens$"], "location": "output", "inverse": False,
-                           "ignore": []},
-                          {"targets": ["re:^model\\.norm$"], "location": "input", "inverse": True, "ignore": []}]
-            apply += [{"targets": weight_output, "location": "weight_output", "inverse": False, "ignore": []},
-                      {"targets": weight_input, "location": "weight_input", "inverse": True, "ignore": []}]
+            if cfg.tie_word_embeddings:
+                raise StageError("rotations: R1 on a tied model needs `untie` first")
+            apply = [{"targets": weight_output, "location": "weight_output", "inverse": False, "ignore": []},
+                     {"targets": weight_input, "location": "weight_input", "inverse": True, "ignore": []}]
             groups["R1"] = {"type": "random-matrix", "apply": apply, "randomize": False, "requires_grad": False,
                             "head_dim": None, "precision": "float32"}
             summary["R1"] = {"matrix": f"random orthogonal {cfg.hidden_size} x {cfg.hidden_size}", "seed": SEED,
-                             "norms_folded": 2 * cfg.num_layers + (0 if cfg.tie_word_embeddings else 1),
-                             "online": ["model.embed_tokens output", "model.norm input"] if cfg.tie_word_embeddings
-                             else []}
+                             "norms_folded": 2 * cfg.num_layers + 1, "online": [],
+                             "untied": "lm_head written as a copy of the tied embeddings, each rotated on its side"
+                             if self.untied else None}
         if self.hn is not None:
             targets = ["re:.*down_proj$", "re:.*w2$"]
             groups["R4"] = {"type": "hadamard", "randomize": False, "requires_grad": False, "head_dim": self.block,
@@ -191,8 +195,9 @@ class Rotator:
 
     @torch.no_grad()
     def whole(self, net) -> None:
-        """The whole model (float32, in memory) at once: every layer, the embeddings and lm_head."""
-        self.around(net)
+        """The whole model (float32, in memory) at once: every layer, the embeddings and lm_head
+        (a tied model untied first)."""
+        self.untie(net)
         for i, layer in enumerate(net.layers):
             self.layer(i, layer)
         if self.untied_r1:

@@ -642,9 +642,8 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     rotations = cfg.rotations_for(rotate.takes(mcfg, cfg.hadamard_block_size))
     if rotations:  # before anything is measured on the model: calibration sees the rotated one
         rotator = rotate.Rotator(mcfg, rotations, cfg.hadamard_block_size)
-        if streamed:  # each layer as it is read in, the embeddings and lm_head as they are copied
-            rotator.around(net)
-        else:
+        mcfg = rotator.untie(net)  # R1 on a tied model: lm_head becomes a matrix of its own
+        if not streamed:  # else each layer as it is read in, the embeddings and lm_head as they are copied
             rotator.whole(net)
             phases["rotate_s"] = time.perf_counter() - t
             t = time.perf_counter()
@@ -740,8 +739,9 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
                                    if f"layers.{i}.{n}" in quantized})
         if "lm_head" in quantized or not streamed:  # the net's lm_head: quantized, or as it is (none when tied)
             ckpt.add("lm_head.", {"lm_head": quantized["lm_head"]} if "lm_head" in quantized else {})
-        elif not mcfg.tie_word_embeddings:
-            _copy_rows(ckpt, lazy, "lm_head.weight", "lm_head.weight", head_fold)
+        elif not mcfg.tie_word_embeddings:  # an untied copy of tied embeddings reads the embeddings
+            source = "embed_tokens.weight" if rotator is not None and rotator.untied else "lm_head.weight"
+            _copy_rows(ckpt, lazy, source, "lm_head.weight", head_fold)
         rotated = rotator.result() if rotator is not None else None
         ckpt.add("norm.", {}, kv_scale_tensors(kv_scales or []) | (rotated.tensors if rotated else {}))
         kept = ([] if "lm_head" in names else ["lm_head"]) + ["model." + checkpoint_name(mcfg, r) for r in routers(mcfg)]

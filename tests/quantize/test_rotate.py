@@ -28,7 +28,7 @@ ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @pytest.mark.parametrize("arch, rotations", [
-    ("llama-tied", ("R1", "R4")),  # tied: R1 online around the vocabulary matrix
+    ("llama-tied", ("R1", "R4")),  # tied: untied, R1 folded into the embeddings and lm_head each
     ("llama-gqa-untied-llama3-rope", ("R1", "R4")),  # untied: all folded but R4
     ("qwen2-bias", ("R1",)),
     ("qwen2-moe", ("R1", "R4")),  # router, shared expert and its gate
@@ -121,7 +121,7 @@ def rotated_artifacts(outlier_model, tmp_path_factory):
     return arts
 
 
-def test_rotated_artifact_records_its_transforms_as_compressed_tensors_does(rotated_artifacts):
+def test_rotated_artifact_records_its_transforms_as_compressed_tensors_does(rotated_artifacts, outlier_model):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.transform import TransformConfig
     from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
@@ -134,11 +134,24 @@ def test_rotated_artifact_records_its_transforms_as_compressed_tensors_does(rota
     state = load_file(art.path / "model.safetensors")
     r4 = state["model.layers.1.mlp.down_proj.R4_input.weight"]
     assert torch.equal(r4, deterministic_hadamard_matrix(32, torch.float32))
-    q = state["model.embed_tokens.R1_output.weight"]  # tied: rotated around at run time
-    assert torch.allclose(q @ q.T, torch.eye(64), atol=1e-5)
-    assert torch.equal(q, state["model.norm.R1_input.weight"])
+    # The model was tied: R1 untied it (as llm-compressor's SpinQuant does), so that every R1
+    # product is folded into a weight and vLLM, which rotates Linear layers only, loses none.
+    assert not any(k.endswith(("R1_output.weight", "R1_input.weight")) for k in state)
+    config = json.load(open(art.path / "config.json"))
+    assert config["tie_word_embeddings"] is False and state["lm_head.weight"].shape == (320, 64)
+    r1 = {a["location"]: a["targets"] for a in qcfg["transform_config"]["config_groups"]["R1"]["apply"]}
+    assert set(r1) == {"weight_output", "weight_input"}
+    assert "re:.*embed_tokens$" in r1["weight_output"] and "lm_head" in r1["weight_input"]
     assert sorted(art.manifest["rotations"]) == ["R1", "R4"]
-    assert art.manifest["rotations"]["R1"]["online"] == ["model.embed_tokens output", "model.norm input"]
+    assert art.manifest["rotations"]["R1"]["online"] == [] and art.manifest["rotations"]["R1"]["untied"]
+    # lm_head is the embeddings with the final norm's scale folded in, rotated by R1; the
+    # embeddings are rotated by the same R1.
+    src = load_file(os.path.join(outlier_model, "model.safetensors"))
+    emb, head = state["model.embed_tokens.weight"].double(), state["lm_head.weight"].double()
+    q = torch.linalg.lstsq(src["model.embed_tokens.weight"].double(), emb).solution
+    assert torch.allclose(q @ q.T, torch.eye(64, dtype=torch.float64), atol=1e-4)
+    want = (src["model.embed_tokens.weight"].double() * src["model.norm.weight"].double()) @ q
+    assert torch.allclose(head, want, atol=1e-4 * want.abs().max())
     assert "transform_config" not in json.load(open(rotated_artifacts["plain"].path / "config.json"))[
         "quantization_config"]
 
@@ -193,16 +206,22 @@ def test_a_tampered_or_missing_transform_is_refused(rotated_artifacts, tmp_path)
     save_file(state, bad / "model.safetensors")
     with pytest.raises(ValueError, match=f"tensor {key}: not the Sylvester Hadamard matrix of size 32"):
         load_model(str(bad), torch.float32)
-    state[key] = state[key].flip(0).contiguous()
-    q = state.pop("model.norm.R1_input.weight")
-    state["model.norm.R1_input.weight"] = (q * 1.01).contiguous()
+    del state[key]
     save_file(state, bad / "model.safetensors")
-    with pytest.raises(ValueError, match="model.norm.R1_input.weight: not orthogonal"):
+    with pytest.raises(ValueError, match=f"R4 rotates the input of model.layers.0.mlp.down_proj at run time, but the "
+                                         f"checkpoint has no tensor {key}"):
         load_model(str(bad), torch.float32)
-    del state["model.norm.R1_input.weight"]
+    # An online random matrix (as another producer may write R1 around a tied vocabulary
+    # matrix) must be orthogonal.
+    state = load_file(src / "model.safetensors")
+    state["model.norm.R1_input.weight"] = (torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))[0] * 1.01
+                                           ).float().contiguous()
     save_file(state, bad / "model.safetensors")
-    with pytest.raises(ValueError, match="R1 rotates the input of model.norm at run time, but the checkpoint has "
-                                         "no tensor model.norm.R1_input.weight"):
+    cfg = json.load(open(src / "config.json"))
+    cfg["quantization_config"]["transform_config"]["config_groups"]["R1"]["apply"].append(
+        {"targets": ["re:^model\\.norm$"], "location": "input", "inverse": True, "ignore": []})
+    json.dump(cfg, open(bad / "config.json", "w"))
+    with pytest.raises(ValueError, match="model.norm.R1_input.weight: not orthogonal"):
         load_model(str(bad), torch.float32)
     cfg = json.load(open(src / "config.json"))
     cfg["quantization_config"]["transform_config"]["config_groups"]["R4"]["apply"][0]["location"] = "q_attn"

@@ -31,8 +31,9 @@ def model_files(path) -> dict[str, bytes]:
     ("gemma3-sliding-window", "rtn", "W8A16", ()),  # Gemma's norms and scaled embedding
     ("qwen3-moe", "gptq", "W8A8", ()),  # experts, routers kept; W8A8 without SmoothQuant or rotations
     ("qwen3-qk-norm", "autoround", "W4A16", ()),  # learned rounding on both activation streams
-    # Rotations: R1 folded into an untied model's embeddings and lm_head, run around a tied
-    # one's; R4 on every expert's down projection; Gemma 3's R4 alone (its W8A8 default).
+    # Rotations: R1 folded into an untied model's embeddings and lm_head, and into a tied one's
+    # once it is untied (its lm_head copied from the source's embeddings, range by range);
+    # R4 on every expert's down projection; Gemma 3's R4 alone (its W8A8 default).
     ("llama-gqa-untied-llama3-rope", "gptq", "W8A8", ("R1", "R4")),
     ("qwen3-moe", "rtn", "W8A8", ("R1", "R4")),
     ("llama-tied", "autoround", "W4A16", ("R1", "R4")),
@@ -78,6 +79,8 @@ def test_streamed_artifact_is_the_whole_model_one_byte_for_byte(tmp_path, arch, 
         assert all(v["dampening"] is not None for v in streamed.manifest["layers"].values())
     if rotations != ():
         assert sorted(streamed.manifest["rotations"]) == sorted(rotations or ("R4",))
+    if arch == "llama-tied" and "R1" in (rotations or ()):
+        assert "lm_head.weight" in index and not json.loads(files["config.json"])["tie_word_embeddings"]
     assert whole.manifest["memory"] is None
     memory = streamed.manifest["memory"]
     assert memory["streamed"] and memory["peak_rss_mib"] <= 8 * 1024 and memory["plan"]["activations_on"] == "memory"
