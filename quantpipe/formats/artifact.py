@@ -456,6 +456,8 @@ class CheckpointWriter:
         validate(config["quantization_config"])
         if self._pending or not self._shards:
             self._flush()
+        for f, _ in self._shards:  # safetensors writes its files owner-only; weights are ordinary files
+            os.chmod(f, 0o644)
         n = len(self._shards)
         if n == 1:
             os.replace(self._shards[0][0], self.folder / WEIGHTS_FILE)

@@ -56,6 +56,8 @@ def test_streamed_artifact_is_the_whole_model_one_byte_for_byte(tmp_path, arch, 
     files = model_files(whole.path)
     assert "model.safetensors.index.json" in files and len([f for f in files if f.endswith(".safetensors")]) > 2
     assert model_files(streamed.path) == files
+    for art in (whole, streamed):  # readable by whoever serves them, as any file written with umask 022
+        assert {oct(f.stat().st_mode & 0o777) for f in art.path.glob("*.safetensors")} == {"0o644"}
     # The embeddings and lm_head are larger than a shard here: each was written alone, range by
     # range, and safetensors reads those files as it reads its own.
     from safetensors.torch import load_file
