@@ -2,14 +2,17 @@
 side in one run.
 
     .venv/bin/python benchmarks/bench_quantize.py --heldout calib_sets/sample-set --calib calib_sets/sample-set \
-        [--configs w8a16,w4g64-rtn,w4g64-mse,w4g64-gptq] [--max-texts 64] [--max-tokens 256] [--model gemma3-270m]
+        [--configs w8a16,w4g64-rtn,w4g64-mse,w4g64-gptq] [--max-texts 64] [--max-tokens 256] [--model gemma3-270m] \
+        [--artifacts NAME=FOLDER,...]
 
 Each config is quantized into a temporary artifact (timed), loaded in float32 (the
 dequantized path: the same function every kernel computes), and scored against the
 source model on the held-out texts with the teacher-forced scorer (perplexity, KL,
-top-1 agreement; overall and per stratum). The default model is Q4_1 dequantized, so
-damage is measured on top of Q4_1; W4 group 64 symmetric is the headline grid (group 32
-asymmetric lines up with Q4_1 and hides damage; 128 does not divide 576).
+top-1 agreement; overall and per stratum). `--artifacts` scores artifacts already written
+(by another commit, say) in the same run, after the configs, with the size of their weight
+files. The default model is Q4_1 dequantized, so damage is measured on top of Q4_1; W4
+group 64 symmetric is the headline grid (group 32 asymmetric lines up with Q4_1 and hides
+damage; 128 does not divide 576).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -102,7 +106,8 @@ def main() -> int:
     ap.add_argument("--docs-sets", default=None, metavar="DIR",
                     help="build the documentation split of BENCHMARKS.md in DIR and use it for --heldout/--calib")
     ap.add_argument("--calib", default=None, help="calibration set for GPTQ")
-    ap.add_argument("--configs", default="w8a16,w4g64-rtn,w4g64-mse,w4g64-gptq")
+    ap.add_argument("--configs", default="w8a16,w4g64-rtn,w4g64-mse,w4g64-gptq", help="'' for none")
+    ap.add_argument("--artifacts", default="", metavar="NAME=FOLDER,...", help="artifacts to score as they are")
     ap.add_argument("--max-texts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--calib-samples", type=int, default=128)
@@ -121,8 +126,9 @@ def main() -> int:
     base, _, tok = load_model(args.model, torch.float32)
     print(json.dumps({"model": args.model, "texts": len(texts), "max_tokens": args.max_tokens,
                       "heldout": args.heldout}), flush=True)
+    given = dict(a.split("=", 1) for a in args.artifacts.split(",") if a)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.configs.split(","):
+        for name in (c for c in args.configs.split(",") if c):
             opts = dict(CONFIGS[name], calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len)
             cfg = QuantConfig(**opts)
             out = os.path.join(tmp, name)
@@ -142,6 +148,15 @@ def main() -> int:
                               "score_s": round(time.perf_counter() - t, 1), "tokens": s["tokens"],
                               "ppl_delta_pct_by_stratum": per}), flush=True)
             del cand
+    for name, folder in given.items():
+        cand, _, _ = load_model(folder, torch.float32)
+        s = score(base, cand, tok, texts, strata, args.max_tokens).summary()
+        size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+        print(json.dumps({"artifact": name, "ppl_delta_pct": round(s["ppl_delta_pct"], 2),
+                          "kl_mean": round(s["kl_mean"], 5), "kl_p99": round(s["kl_p99"], 4),
+                          "top1_agreement": round(s["top1_agreement"], 4), "weight_file_bytes": size,
+                          "tokens": s["tokens"]}), flush=True)
+        del cand
     return 0
 
 
