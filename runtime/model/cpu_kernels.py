@@ -16,7 +16,7 @@ CPU_KERNELS = {
     "fused-elementwise": "bf16 RMSNorm and SiLU-mul fused (torch: separate ops)",
     "prepack": "bf16 Linear weights prepacked for oneDNN on AVX-512 BF16 CPUs (torch: F.linear)",
     "blocked-gemm": "float32 wide Linear layers in row blocks at few rows (torch: one F.linear)",
-    "int8": "W8A16 bf16 decode kernel (torch: _weight_int8pack_mm)",
+    "int8": "W8A16 and W8A8 bf16 decode kernel (torch: _weight_int8pack_mm; W8A8 holds bf16 weights and takes F.linear)",
     "packed": "float32 serving of W8/W4 weights kept packed (torch: weights dequantized at load)",
 }
 

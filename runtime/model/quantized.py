@@ -17,8 +17,8 @@ guessed, and each choice is logged once at load:
   by group and W4 by group, K a multiple of 32 -> quantpipe's CPU kernel
   (csrc/packed_linear.cpp): the weights stay at their packed size and are widened in
   cache-sized tiles where they are multiplied, at every row count
-- `w8a8`: INT8 weights and per-token INT8 activations (W8A8); in float32 on CPU its integer
-  weights stay int8 and go through the packed kernel
+- `w8a8`: INT8 weights and per-token INT8 activations (W8A8); on CPU its integer weights
+  stay int8 and go through the packed kernel (float32) or the int8 kernel (bf16, decode rows)
 - `triton-mixed` / `triton-w8a8` (CUDA): the Triton kernels of quantpipe.kernels with the
   configs `quantpipe kernels build` chose and recorded in the artifact's kernels.json
 - `dequant`: anything else (bf16 with other group sizes or W8 by group, CUDA without a
@@ -182,10 +182,13 @@ class W8A8Linear(nn.Module):
     The integer product runs as a float matmul of the integer values: torch's CPU
     `_int_mm` measured 30x slower than float32 F.linear here, and the result is the same
     function (the Triton INT8 GEMM of quantpipe.kernels takes this on CUDA). Served in
-    bf16, both sides are held as bf16 (every int8 value is exact in bf16's 8 significant
-    bits) and go through the bf16 GEMM, which accumulates in float32: half the memory of
-    float32 integer values and the bf16 GEMM's speed; only the product is rounded to bf16,
-    as any bf16 Linear's is.
+    bf16 on a CPU where quantpipe's int8 kernel is built, the weights stay int8 and the
+    integer activations (exact in bf16's 8 significant bits) go through that kernel at
+    decode-sized row counts (unit scales: the product of the integers, rounded to bf16 as any
+    bf16 Linear's output is), and through the bf16 GEMM on the weights converted per call past
+    INT8PACK_MAX_ROWS. Without that kernel (or with `int8` turned off) the weights are held as
+    bf16 values and every row count takes the bf16 GEMM: the same function, but as many
+    weight bytes as the unquantized model and 0.60x its decode rate (BENCHMARKS.md).
     """
 
     kernel = "w8a8"
@@ -197,19 +200,30 @@ class W8A8Linear(nn.Module):
         self.gemm_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         # float32 on CPU: the integer weights stay int8 and the packed kernel widens them.
         self.ext = packed_kernel(kernels) if self.gemm_dtype == torch.float32 and self.in_features % 32 == 0 else None
-        weight_q = qw.q.contiguous() if self.ext is not None else qw.q.to(self.gemm_dtype).contiguous()
+        # bf16 on CPU: the int8 weights kept as they are, for quantpipe's int8 kernel.
+        self.int8 = int8_kernel(kernels) if self.gemm_dtype == torch.bfloat16 else None
+        keep_int8 = self.ext is not None or self.int8 is not None
+        weight_q = qw.q.contiguous() if keep_int8 else qw.q.to(self.gemm_dtype).contiguous()
         self.register_buffer("weight_q", weight_q)  # integer values, exact
         self.register_buffer("weight_scale", qw.scale.reshape(-1).float().contiguous())
+        self.register_buffer("unit", None if self.int8 is None else torch.ones(self.out_features, dtype=torch.bfloat16))
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1]).float()
         xq, xs = quantize_per_token(xf)
-        if self.ext is not None and not xq.is_cpu:  # moved off the CPU: the GEMM path, converted once
-            self.ext, self.weight_q = None, self.weight_q.to(self.gemm_dtype)
+        if (self.ext is not None or self.int8 is not None) and not xq.is_cpu:  # moved off the CPU: converted once
+            self.ext, self.int8, self.weight_q = None, None, self.weight_q.to(self.gemm_dtype)
         if self.ext is not None:
             y = self.ext.packed_linear_f32(xq, self.weight_q, 8) * xs * self.weight_scale
+        elif self.int8 is not None:
+            xb = xq.to(torch.bfloat16)
+            if xb.shape[0] <= INT8PACK_MAX_ROWS:
+                y = self.int8.int8_linear_bf16(xb, self.weight_q, self.unit, None)
+            else:
+                y = F.linear(xb, self.weight_q.to(torch.bfloat16))
+            y = y.float() * xs * self.weight_scale
         else:
             y = F.linear(xq.to(self.gemm_dtype), self.weight_q).float() * xs * self.weight_scale
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)

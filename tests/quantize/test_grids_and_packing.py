@@ -337,18 +337,27 @@ def test_packed_kernel_off_leaves_float32_models_dequantized():
 
 
 def test_w8a8_linear_in_bf16_is_the_float32_function_within_bf16_rounding():
-    """Served in bf16, W8A8 holds its integer weights as bf16 (exact) and takes the bf16 GEMM."""
-    from quantpipe.runtime.model.quantized import W8A8Linear
+    """Served in bf16, W8A8 keeps its int8 weights for quantpipe's int8 kernel at decode-sized
+    row counts and converts them for the bf16 GEMM past them; with that kernel turned off it
+    holds them as bf16 values (exact) and takes the bf16 GEMM at every row count."""
+    from quantpipe.runtime.model.cpu_kernels import CpuKernels
+    from quantpipe.runtime.model.quantized import INT8PACK_MAX_ROWS, W8A8Linear, int8_kernel
 
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-128, 128, (96, 256), generator=g, dtype=torch.int8)
     qw = QuantWeight(q, torch.rand(96, 1, generator=g) / 50 + 1e-3, None, 8, None)
-    exact, fast = W8A8Linear(qw, None, torch.float32), W8A8Linear(qw, None, torch.bfloat16)
-    assert fast.weight_q.dtype == torch.bfloat16 and torch.equal(fast.weight_q.float(), q.float())
-    for rows in (1, 64):
+    exact = W8A8Linear(qw, None, torch.float32)
+    kernel = W8A8Linear(qw, None, torch.bfloat16)
+    plain = W8A8Linear(qw, None, torch.bfloat16, kernels=CpuKernels.parse("int8"))
+    assert plain.weight_q.dtype == torch.bfloat16 and torch.equal(plain.weight_q.float(), q.float())
+    if int8_kernel() is not None:  # built here: the weights stay int8
+        assert kernel.weight_q.dtype == torch.int8 and torch.equal(kernel.weight_q, q)
+    for rows in (1, 3, INT8PACK_MAX_ROWS, 64):
         x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
-        out = fast(x)
-        ref, got = exact(x.float()), out.float()
-        assert out.dtype == torch.bfloat16
-        # The same per-token integers either way; only the output's bf16 rounding differs.
-        assert torch.allclose(got, ref, atol=1e-2 * ref.abs().max(), rtol=1e-2), (got - ref).abs().max()
+        ref = exact(x.float())
+        for fast in (kernel, plain):
+            out = fast(x)
+            got = out.float()
+            assert out.dtype == torch.bfloat16
+            # The same per-token integers either way; only the output's bf16 rounding differs.
+            assert torch.allclose(got, ref, atol=1e-2 * ref.abs().max(), rtol=1e-2), (rows, (got - ref).abs().max())
