@@ -22,8 +22,8 @@ ROTATIONS = ("R1", "R4")  # QuaRot / SpinQuant's residual-stream and down-projec
 # Each scheme's rotations by default. W8A8: R1 + R4 took the default model's mean KL to 0.37x
 # SmoothQuant's (0.0080 against 0.0217) and its perplexity increase from +1.59% to -0.24%.
 # Weight-only schemes: none. W4 g64 RTN's perplexity increase went from +42% to +101% with
-# them; W4 GPTQ's mean KL fell to 0.79x, but W4A16 GPTQ is what the CI gate's references were
-# recorded with (BENCHMARKS.md, "Rotations").
+# them; W4 GPTQ's fell to 0.86-0.88x with R4 alone, but R4's online Hadamard cost the int4 path
+# 0.91x its decode rate (BENCHMARKS.md, "Rotations", "W4A16 GPTQ with R4: the serving cost").
 ROTATED_METHODS = ("rtn", "gptq", "autoround")
 DEFAULT_ROTATIONS = {"W8A8": ("R1", "R4")}
 KV_STRATEGIES = ("token", "channel")  # dynamic per token and KV head; static per KV head and channel
