@@ -98,6 +98,13 @@ def heldout_texts(folder: str, max_texts: int) -> tuple[list[str], list[str]]:
     return [r["text"] for r in rows], [r["stratum"] for r in rows]
 
 
+def figures(s: dict) -> dict:
+    """A scorer summary's figures as the tables quote them."""
+    return {"ppl_baseline": round(s["ppl_baseline"], 3), "ppl_candidate": round(s["ppl_candidate"], 3),
+            "ppl_delta_pct": round(s["ppl_delta_pct"], 2), "kl_mean": round(s["kl_mean"], 5),
+            "kl_p99": round(s["kl_p99"], 4), "top1_agreement": round(s["top1_agreement"], 4), "tokens": s["tokens"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="the source model (a name such as gemma3-270m, a GGUF or HF "
@@ -140,22 +147,16 @@ def main() -> int:
             q = score(base, cand, tok, texts, strata, args.max_tokens)
             s = q.summary()
             per = {k: round(v["ppl_delta_pct"], 2) for k, v in q.by_stratum().items()}
-            print(json.dumps({"config": name, "weights": art.manifest["weights"], "method": cfg.method,
-                              "ppl_baseline": round(s["ppl_baseline"], 3), "ppl_candidate": round(s["ppl_candidate"], 3),
-                              "ppl_delta_pct": round(s["ppl_delta_pct"], 2), "kl_mean": round(s["kl_mean"], 5),
-                              "kl_p99": round(s["kl_p99"], 4), "top1_agreement": round(s["top1_agreement"], 4),
+            print(json.dumps({"config": name, "weights": art.manifest["weights"], "method": cfg.method, **figures(s),
                               "bytes_ratio": art.manifest["bytes"]["ratio"], "quantize_s": round(quant_s, 1),
-                              "score_s": round(time.perf_counter() - t, 1), "tokens": s["tokens"],
-                              "ppl_delta_pct_by_stratum": per}), flush=True)
+                              "score_s": round(time.perf_counter() - t, 1), "ppl_delta_pct_by_stratum": per}),
+                  flush=True)
             del cand
     for name, folder in given.items():
         cand, _, _ = load_model(folder, torch.float32)
         s = score(base, cand, tok, texts, strata, args.max_tokens).summary()
         size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
-        print(json.dumps({"artifact": name, "ppl_delta_pct": round(s["ppl_delta_pct"], 2),
-                          "kl_mean": round(s["kl_mean"], 5), "kl_p99": round(s["kl_p99"], 4),
-                          "top1_agreement": round(s["top1_agreement"], 4), "weight_file_bytes": size,
-                          "tokens": s["tokens"]}), flush=True)
+        print(json.dumps({"artifact": name, **figures(s), "weight_file_bytes": size}), flush=True)
         del cand
     return 0
 

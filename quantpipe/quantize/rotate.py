@@ -117,8 +117,8 @@ class Rotator:
         self.untied = False  # lm_head made a matrix of its own for R1 (`untie`)
 
     @property
-    def untied_r1(self) -> bool:
-        """R1 folds into the embeddings and lm_head (`embedding`, `head`)."""
+    def r1(self) -> bool:
+        """R1 is applied: it folds into the embeddings and lm_head (`embedding`, `head`)."""
         return self.q is not None
 
     def untie(self, net) -> ModelConfig:
@@ -190,7 +190,8 @@ class Rotator:
                             "apply": [{"targets": targets, "location": "input", "inverse": False, "ignore": []},
                                       {"targets": targets, "location": "weight_input", "inverse": True,
                                        "ignore": []}]}
-            summary["R4"] = {"matrix": f"Sylvester Hadamard, blocks of {self.block}", "modules": sum(k.endswith(".R4_input.weight") for k in self.tensors)}
+            summary["R4"] = {"matrix": f"Sylvester Hadamard, blocks of {self.block}",
+                             "modules": sum(k.endswith(".R4_input.weight") for k in self.tensors)}
         return Rotated({"config_groups": groups}, dict(self.tensors), summary)
 
     @torch.no_grad()
@@ -200,7 +201,7 @@ class Rotator:
         self.untie(net)
         for i, layer in enumerate(net.layers):
             self.layer(i, layer)
-        if self.untied_r1:
+        if self.r1:
             net.embed_tokens.weight.copy_(self.embedding(net.embed_tokens.weight))
             net.lm_head.weight.copy_(self.fold_final_norm(net)(net.lm_head.weight))
 

@@ -647,7 +647,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             rotator.whole(net)
             phases["rotate_s"] = time.perf_counter() - t
             t = time.perf_counter()
-    fold = rotator.embedding if rotator is not None and rotator.untied_r1 else None  # streamed embeddings
+    fold = rotator.embedding if rotator is not None and rotator.r1 else None  # streamed embeddings
     kv_scales = None
     if static_kv:  # on the unquantized model, before any weight is changed
         from quantpipe.quantize.kv import static_kv_scales

@@ -215,18 +215,16 @@ class W8A8Linear(nn.Module):
         xq, xs = quantize_per_token(xf)
         if (self.ext is not None or self.int8 is not None) and not xq.is_cpu:  # moved off the CPU: converted once
             self.ext, self.int8, self.weight_q = None, None, self.weight_q.to(self.gemm_dtype)
+        # The integer product, then both scales.
         if self.ext is not None:
-            y = self.ext.packed_linear_f32(xq, self.weight_q, 8) * xs * self.weight_scale
-        elif self.int8 is not None:
-            xb = xq.to(torch.bfloat16)
-            if xb.shape[0] <= INT8PACK_MAX_ROWS:
-                y = self.int8.int8_linear_bf16(xb, self.weight_q, self.unit, None)
-            else:
-                y = F.linear(xb, self.weight_q.to(torch.bfloat16))
-            y = y.float() * xs * self.weight_scale
+            acc = self.ext.packed_linear_f32(xq, self.weight_q, 8)
         else:
-            y = F.linear(xq.to(self.gemm_dtype), self.weight_q).float() * xs * self.weight_scale
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+            xg = xq.to(self.gemm_dtype)
+            if self.int8 is not None and xg.shape[0] <= INT8PACK_MAX_ROWS:
+                acc = self.int8.int8_linear_bf16(xg, self.weight_q, self.unit, None)
+            else:  # int8 weights held for the kernel are converted per call; bf16 ones as they are
+                acc = F.linear(xg, self.weight_q.to(self.gemm_dtype))
+        y = (acc.float() * xs * self.weight_scale).to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
