@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.formats.packing import pack_factor, pack_int32, unpack_int32
+from quantpipe.formats.packing import MAX_BITS, pack_int32, packed_words, unpack_int32
 from quantpipe.manifest import StageError, sha256_bytes, sha256_file, write_json
 
 MANIFEST = "quantpipe.json"
@@ -116,9 +116,10 @@ def validate(qcfg: dict) -> None:
         raise ValueError(f"quantization_config.format {fmt!r} is not supported; supported: {', '.join(FORMATS)}")
     for name, group in (qcfg.get("config_groups") or {}).items():
         w = group.get("weights") or {}
-        if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
-            raise ValueError(f"quantization_config.config_groups.{name}.weights: int4 or int8 weights only, "
-                             f"got {w.get('type')} {w.get('num_bits')}")
+        bits = w.get("num_bits")
+        if w.get("type", "int") != "int" or not (isinstance(bits, int) and 2 <= bits <= MAX_BITS):
+            raise ValueError(f"quantization_config.config_groups.{name}.weights: int weights of 2 to {MAX_BITS} bits "
+                             f"only, got {w.get('type')} {bits}")
         if w.get("strategy") not in ("channel", "group"):
             raise ValueError(f"quantization_config.config_groups.{name}.weights.strategy {w.get('strategy')!r}: "
                              f"channel or group only")
@@ -205,9 +206,9 @@ def read_quantized(state: dict[str, torch.Tensor], qcfg: dict, module: str) -> Q
         if packed is None or shape is None:
             raise ValueError(f"{p}weight_packed / weight_shape missing for a pack-quantized layer")
         n, k = (int(v) for v in shape.tolist())
-        if packed.dtype != torch.int32 or packed.shape[0] != n or packed.shape[1] != -(-k // pack_factor(bits)):
+        if packed.dtype != torch.int32 or packed.shape[0] != n or packed.shape[1] != packed_words(bits, k):
             raise ValueError(f"{p}weight_packed has shape {tuple(packed.shape)} {packed.dtype}; expected int32 "
-                             f"[{n}, {-(-k // pack_factor(bits))}] for {bits}-bit weights of shape [{n}, {k}]")
+                             f"[{n}, {packed_words(bits, k)}] for {bits}-bit weights of shape [{n}, {k}]")
         q = unpack_int32(packed, bits, k)
     else:
         q = state.pop(p + "weight", None)

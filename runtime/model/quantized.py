@@ -5,6 +5,10 @@ the model as usual, then `swap_linears` replaces each quantized `nn.Linear` with
 module the artifact's format calls for. The kernel is chosen from the format, never
 guessed, and each choice is logged once at load:
 
+Weights of fewer bits take the kernel of the next width up, exactly (their integers are a
+subset of its range, with the same scales and zero points): W2 and W3 the 4-bit kernels,
+W5 to W7 the 8-bit ones.
+
 - `int8pack`: W8 per output channel, symmetric or with a zero point per channel -> up to 16
   rows quantpipe's CPU kernel (csrc/int8_linear.cpp, the zero point as z * sum(x) in its
   float32 sums; torch._weight_int8pack_mm where it cannot be built, which takes symmetric
@@ -21,7 +25,7 @@ guessed, and each choice is logged once at load:
   stay int8 and go through the packed kernel (float32) or the int8 kernel (bf16, decode rows)
 - `triton-mixed` / `triton-w8a8` (CUDA): the Triton kernels of quantpipe.kernels with the
   configs `quantpipe kernels build` chose and recorded in the artifact's kernels.json
-- `dequant`: anything else (bf16 with other group sizes or W8 by group, CUDA without a
+- `dequant`: anything else (bf16 with other group sizes or W5-W8 by group, CUDA without a
   kernels.json built for the device, no C++ compiler): weights dequantized once to the
   model dtype, then plain F.linear.
 
@@ -151,7 +155,7 @@ class PackedLinear(nn.Module):
                  kernels: CpuKernels = ALL_ON):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
-        self.bits = qw.num_bits
+        self.bits = container_bits(qw.num_bits)
         groups = 1 if qw.group_size is None else self.in_features // qw.group_size
         zero = torch.zeros_like(qw.scale, dtype=torch.float32) if qw.zero is None else qw.zero.float()
         if self.bits == 4:  # stored unsigned: u = q + 8, so the zero point moves by 8 too
@@ -253,6 +257,11 @@ class DequantLinear(nn.Linear):
             self.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
 
 
+def container_bits(num_bits: int) -> int:
+    """The kernel width that holds b-bit integers exactly: 4 up to 4 bits, else 8."""
+    return 4 if num_bits <= 4 else 8
+
+
 def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,
                kernels: CpuKernels = ALL_ON) -> type[nn.Module]:
     """The module for this weight format on this device: a fast kernel, or the fallback."""
@@ -261,15 +270,16 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,
         return W8A8Linear  # activations must be quantized too: the same function on every path
     if device.type != "cpu":
         return DequantLinear  # CUDA: the Triton kernels of quantpipe.kernels, once built
+    bits = container_bits(qw.num_bits)
     if dtype == torch.float32:
-        if qw.num_bits in (4, 8) and k % 32 == 0 and packed_kernel(kernels) is not None:
+        if k % 32 == 0 and packed_kernel(kernels) is not None:
             return PackedLinear
         return DequantLinear
     if dtype != torch.bfloat16:
         return DequantLinear
-    if qw.num_bits == 8 and qw.group_size is None:
+    if bits == 8 and qw.group_size is None:
         return Int8PackLinear
-    if qw.num_bits == 4 and qw.group_size in INT4_GROUPS and k % qw.group_size == 0 and n % 16 == 0:
+    if bits == 4 and qw.group_size in INT4_GROUPS and k % qw.group_size == 0 and n % 16 == 0:
         return Int4PackLinear
     return DequantLinear
 

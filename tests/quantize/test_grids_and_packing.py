@@ -18,7 +18,7 @@ def ct_helpers():
     return pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("k", [64, 70, 576])
 def test_pack_round_trip_and_library_agreement(bits, k, ct_helpers):
     g = torch.Generator().manual_seed(k + bits)
@@ -33,13 +33,28 @@ def test_pack_round_trip_and_library_agreement(bits, k, ct_helpers):
     assert torch.equal(unpack_int32(pack_int32(q, bits, dim=0), bits, 24, dim=0), q)
 
 
+def test_dense_packing_places_each_value_at_its_bit_offset():
+    """3-bit values 0..31 (offset 4 written as u = q + 4): value i sits at bits 3i.., value 10
+    straddles words 0 and 1 (bits 30-32)."""
+    u = torch.arange(32) % 8
+    packed = pack_int32((u - 4).to(torch.int8).unsqueeze(0), 3)
+    bits = "".join(format(int(w) & 0xFFFFFFFF, "032b")[::-1] for w in packed[0])
+    assert packed.shape == (1, 3)
+    assert bits == "".join(format(int(v), "03b")[::-1] for v in u)
+
+
+def test_a_packed_tensor_of_the_wrong_width_is_refused():
+    with pytest.raises(ValueError, match="70 3-bit values pack into 7 int32 words, got 8"):
+        unpack_int32(torch.zeros(2, 8, dtype=torch.int32), 3, 70)
+
+
 def test_out_of_range_values_are_refused():
     with pytest.raises(ValueError, match="4-bit range"):
         pack_int32(torch.full((2, 8), 8, dtype=torch.int8), 4)
 
 
 @pytest.mark.parametrize("scheme", [WeightScheme(4, 64, True), WeightScheme(4, 32, False), WeightScheme(8, None, True),
-                                    WeightScheme(8, 64, False)])
+                                    WeightScheme(8, 64, False), WeightScheme(3, 64, True), WeightScheme(6, 128, False)])
 def test_library_decompresses_to_our_dequantized_weights(scheme):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -294,11 +309,13 @@ def test_cpu_int8_kernel_rounds_the_float32_product_once(n, k, symmetric):
         ext.int8_linear_bf16(torch.zeros(1, k, dtype=torch.bfloat16), w, scale, torch.zeros(n + 1))
 
 
-@pytest.mark.parametrize("bits, group, symmetric", [(8, None, True), (8, 32, False), (4, 32, True), (4, 64, False)])
+@pytest.mark.parametrize("bits, group, symmetric", [(8, None, True), (8, 32, False), (4, 32, True), (4, 64, False),
+                                                    (3, 64, True), (6, 32, False)])
 def test_packed_linear_is_the_dequantized_product_on_each_of_its_paths(bits, group, symmetric):
-    """A float32 model on CPU keeps W8/W4 weights packed (csrc/packed_linear.cpp): its decode
-    (<= 16 rows), tiles (<= 512) and prefill paths all compute x @ dequantized.T, in float32."""
-    from quantpipe.runtime.model.quantized import PackedLinear, kernel_for, packed_kernel
+    """A float32 model on CPU keeps W8/W4 weights packed (csrc/packed_linear.cpp), W3 in the
+    4-bit layout and W6 in the 8-bit one: its decode (<= 16 rows), tiles (<= 512) and prefill
+    paths all compute x @ dequantized.T, in float32."""
+    from quantpipe.runtime.model.quantized import PackedLinear, container_bits, kernel_for, packed_kernel
 
     if packed_kernel() is None:
         pytest.skip("no C++ compiler here: float32 models dequantize")
@@ -312,7 +329,7 @@ def test_packed_linear_is_the_dequantized_product_on_each_of_its_paths(bits, gro
     assert kernel_for(qw, torch.device("cpu"), torch.float32) is PackedLinear
     bias = torch.randn(n, generator=g)
     lin = PackedLinear(qw, bias, torch.float32)
-    assert lin.weight_packed.numel() == n * k * bits // 8  # held at its packed size
+    assert lin.weight_packed.numel() == n * k * container_bits(bits) // 8  # held at its packed size
     w = qw.dequantize(torch.float32)
     for rows in (1, 2, 3, 16, 17, 100, 512, 513):
         x = torch.randn(rows, k, generator=g)
@@ -323,9 +340,35 @@ def test_packed_linear_is_the_dequantized_product_on_each_of_its_paths(bits, gro
         assert got.shape == (rows, n)
         assert torch.allclose(got, ref, atol=1e-4 * ref.abs().max(), rtol=1e-4), (rows, (got - ref).abs().max())
     with pytest.raises(RuntimeError, match="x has 64 columns"):
-        lin.ext.packed_linear_f32(torch.zeros(1, 64), lin.weight_packed, bits, lin.scales, lin.zeros)
+        lin.ext.packed_linear_f32(torch.zeros(1, 64), lin.weight_packed, lin.bits, lin.scales, lin.zeros)
     odd = QuantWeight(torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1), None, 8, None)
     assert kernel_for(odd, torch.device("cpu"), torch.float32).kernel == "dequant"  # K not a multiple of 32
+
+
+@pytest.mark.parametrize("bits, group, symmetric, kernel", [(3, 64, True, "int4pack"), (2, 32, False, "int4pack"),
+                                                            (6, None, True, "int8pack"), (6, 64, True, "dequant")])
+def test_fewer_bits_take_the_next_wider_kernel_in_bf16_exactly(bits, group, symmetric, kernel):
+    """W2/W3 run torch's int4 kernel and W6 per channel the int8 one, computing exactly what the
+    same integers declared as W4 / W8 compute; W6 by group has no kernel and is dequantized."""
+    from quantpipe.runtime.model.quantized import container_bits, kernel_for
+
+    g = torch.Generator().manual_seed(bits)
+    n, k = 64, 256
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
+    groups = 1 if group is None else k // group
+    zero = None if symmetric else torch.randint(lo, hi, (n, groups), generator=g).float()
+    scale = torch.rand(n, groups, generator=g) / 50 + 1e-3
+    qw, wide = (QuantWeight(q, scale, zero, b, group) for b in (bits, container_bits(bits)))
+    cpu = torch.device("cpu")
+    cls = kernel_for(qw, cpu, torch.bfloat16)
+    assert cls.kernel == kernel and cls is kernel_for(wide, cpu, torch.bfloat16)
+    x = torch.randn(5, k, generator=g).bfloat16()
+    with torch.inference_mode():
+        got, same = cls(qw, None, torch.bfloat16)(x), cls(wide, None, torch.bfloat16)(x)
+    assert torch.equal(got, same)
+    ref = x.float() @ qw.dequantize(torch.float32).t()
+    assert torch.allclose(got.float(), ref, atol=0.02 * ref.abs().max(), rtol=0.02)
 
 
 def test_packed_kernel_off_leaves_float32_models_dequantized():
