@@ -32,11 +32,18 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTY
 @click.option("--calib-seq-len", type=int, default=512, show_default=True)
 @click.option("--quantize-lm-head", is_flag=True, help="also quantize lm_head (untied models only)")
 @click.option("--bits-budget", type=float, default=None,
-              help="mixed: average bits per quantized weight, scales included (>= 4.25)")
+              help="mixed: average bits per quantized weight, scales and zero points included (at least the "
+                   "smallest candidate's)")
 @click.option("--sensitivity-samples", type=int, default=4, show_default=True,
               help="mixed: calibration sequences each layer's sensitivity (KL) is measured on")
 @click.option("--sensitivity-tokens", type=int, default=128, show_default=True,
               help="mixed: tokens of each of those sequences")
+@click.option("--mixed-bits", default=",".join(map(str, QuantConfig.mixed_bits)), show_default=True,
+              metavar="BITS", help="mixed: bit widths a layer may take besides bf16 (2-8; below 8 by group, 8 per "
+                                   "channel), e.g. 3,4,6,8")
+@click.option("--mixed-group-sizes", default=None, metavar="SIZES",
+              help="mixed: group sizes of the widths below 8, each where it divides the layer's input "
+                   "[default: --group-size if given, else 32,64,128]")
 @click.option("--sensitivity-from", default=None, metavar="ARTIFACT",
               help="mixed: reuse this earlier mixed artifact's sensitivity table when its manifest shows it was "
                    "measured on the same model, sequences and precisions (else measure again)")

@@ -71,6 +71,11 @@ class QuantConfig:
     # precision: 4 x 512 tokens took the default model's 210 Linears ~14 min on 2 cores, 4 x 128 ~4.
     sensitivity_samples: int = 4
     sensitivity_tokens: int = 128
+    # mixed: the precisions a layer may take besides bf16: each bit width below 8 by group
+    # (every size of mixed_group_sizes that divides the layer's input), 8 bits per channel.
+    # mixed_group_sizes None: group_size if given, else all of GROUP_SIZES.
+    mixed_bits: tuple[int, ...] = (4, 8)
+    mixed_group_sizes: tuple[int, ...] | None = None
     kv_cache: str = "none"  # K/V storage the artifact is served with: int8 or fp8 (symmetric)
     kv_cache_strategy: str = "token"  # token: scales per token and KV head at run time; channel: static, calibrated
     # Mixture of experts, GPTQ/AWQ: every expert's Hessian from every calibration token of its
@@ -128,12 +133,22 @@ class QuantConfig:
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise StageError(f"scheme must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
+        self.mixed_bits = _ints(self.mixed_bits, "mixed_bits")
+        if any(not 2 <= b <= 8 for b in self.mixed_bits) or not self.mixed_bits:
+            raise StageError(f"mixed_bits: bit widths from 2 to 8, at least one; got {list(self.mixed_bits)}")
+        if self.mixed_group_sizes is not None:
+            self.mixed_group_sizes = _ints(self.mixed_group_sizes, "mixed_group_sizes")
+            if any(g not in GROUP_SIZES for g in self.mixed_group_sizes) or not self.mixed_group_sizes:
+                raise StageError(f"mixed_group_sizes: each one of {', '.join(map(str, GROUP_SIZES))}, at least "
+                                 f"one; got {list(self.mixed_group_sizes)}")
         if self.scheme == "mixed":
             if self.bits_budget is None:
                 raise StageError("scheme mixed needs bits_budget (average bits per weight, e.g. 5)")
-            if self.bits_budget < 4.25:
-                raise StageError(f"bits_budget {self.bits_budget} is below the smallest scheme's "
-                                 f"4.25 bits per weight (W4 group 64 with 16-bit scales)")
+            least = min(self.mixed_candidates(), key=lambda s: s.bits_per_weight())
+            if self.bits_budget < least.bits_per_weight():
+                raise StageError(f"bits_budget {self.bits_budget} is below the smallest candidate's "
+                                 f"{least.bits_per_weight():g} bits per weight ({least.describe()} with 16-bit "
+                                 f"scales; mixed_bits {list(self.mixed_bits)})")
             for name in ("sensitivity_samples", "sensitivity_tokens"):
                 if getattr(self, name) < 1:
                     raise StageError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -220,6 +235,13 @@ class QuantConfig:
                                  f"{sorted(set(in_features))}")
         return WeightScheme(self.num_bits, gs, self.symmetric)
 
+    def mixed_candidates(self) -> list[WeightScheme]:
+        """scheme mixed: the quantized precisions a layer may take (bf16 besides), before
+        each layer keeps those whose group size divides its input."""
+        sizes = self.mixed_group_sizes or ((self.group_size,) if self.group_size else GROUP_SIZES)
+        return [WeightScheme(b, None, self.symmetric) if b == 8 else WeightScheme(b, g, self.symmetric)
+                for b in self.mixed_bits for g in (sizes if b < 8 else (None,))]
+
     def kv_cache_scheme(self) -> dict | None:
         """compressed-tensors' kv_cache_scheme: quantization args of K and V, dynamic per token."""
         if self.kv_cache == "none":
@@ -233,6 +255,16 @@ class QuantConfig:
         return dataclasses.asdict(self)
 
 
+def _ints(value, name: str) -> tuple[int, ...]:
+    """A list of integers from code, YAML or the command line ("3,4,6,8"), sorted, once each."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        out = [int(str(v).strip()) for v in items if str(v).strip()]
+    except (TypeError, ValueError):
+        raise StageError(f"{name}: a list of integers, e.g. 3,4,6,8; got {value!r}") from None
+    return tuple(sorted(set(out)))
+
+
 # The type each field takes from plain data (YAML): ints are accepted where floats are.
 _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "clip": str,
           "dampening": (int, float), "block_size": int, "act_order": bool, "iters": int, "batch_size": int,
@@ -240,6 +272,6 @@ _TYPES = {"scheme": str, "group_size": int, "symmetric": bool, "method": str, "c
           "smoothquant_alpha": (int, float),
           "bits_budget": (int, float), "sensitivity_samples": int, "sensitivity_tokens": int, "kv_cache": str,
           "kv_cache_strategy": str, "calibrate_all_experts": bool, "rotations": list,
-          "hadamard_block_size": int}
-_OPTIONAL = {"group_size", "clip", "smoothquant_alpha", "bits_budget", "rotations"}  # null is a value of these
+          "hadamard_block_size": int, "mixed_bits": list, "mixed_group_sizes": list}
+_OPTIONAL = {"group_size", "clip", "smoothquant_alpha", "bits_budget", "rotations", "mixed_group_sizes"}  # null is a value of these
 assert set(_TYPES) == {f.name for f in dataclasses.fields(QuantConfig)}, "every field needs a type for from_dict"

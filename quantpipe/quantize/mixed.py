@@ -1,15 +1,20 @@
 """Mixed precision: measure each Linear's sensitivity, then pick precisions under a bit budget.
 
-Sensitivity of a layer at a precision is the mean KL divergence of the model's next-token
-distribution from the unquantized model's when only that layer is quantized (RTN) at
-that precision, on a few calibration sequences. The assignment minimizing the summed
-sensitivity with average bits per weight <= budget (scales counted) is a multiple-choice
-knapsack, solved exactly by dynamic programming over the bit cost in small units.
+A layer's candidates are bf16 and the config's quantized precisions (`QuantConfig.
+mixed_candidates`: bit widths by group, 8 bits per channel) whose group size divides its
+input. Sensitivity of a layer at a precision is the mean KL divergence of the model's
+next-token distribution from the unquantized model's when only that layer is quantized
+(RTN) at that precision, on a few calibration sequences. The assignment minimizing the
+summed sensitivity with average bits per weight <= budget (scales and zero points counted)
+is a multiple-choice knapsack, solved exactly by dynamic programming over the bit cost in
+small units.
 
-The table depends on the source model, the probe sequences and the candidate precisions,
-not on the budget, so candidates that differ only in budget (the default recipe's 5- and
-6-bit rungs) measure it once: the manifest records what it was measured on (`measure_key`)
-and a later run reuses an earlier artifact's table only when that key is equal.
+The table depends on the source model and the probe sequences, not on the budget, so
+candidates that differ only in budget (the default recipe's 5- and 6-bit rungs) measure it
+once: the manifest records what it was measured on (`measure_key`) and a later run reuses an
+earlier artifact's table when that key is equal but for the precisions, and the earlier
+run measured every precision the later one takes (a run over fewer precisions reads its
+entries out of the larger table).
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ KEEP = None  # "stay in the model dtype"
 MEASURE = "kl(base || one layer rtn), float32 passes, v2"
 
 
-def candidates(group_size: int) -> list[WeightScheme | None]:
-    return [KEEP, WeightScheme(8, None, True), WeightScheme(4, group_size, True)]
+def applies(scheme: WeightScheme | None, in_features: int) -> bool:
+    """Whether a layer of this input size can take `scheme` (its groups must divide it)."""
+    return scheme is None or scheme.group_size is None or in_features % scheme.group_size == 0
 
 
 def bits_of(scheme: WeightScheme | None, in_features: int) -> float:
@@ -43,7 +49,8 @@ def bits_of(scheme: WeightScheme | None, in_features: int) -> float:
 
 @torch.inference_mode()
 def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples: list[list[int]]):
-    """{name: {scheme.describe(): mean KL}} with every other layer unquantized.
+    """{name: {scheme.describe(): mean KL}} with every other layer unquantized, for each of
+    `schemes` that applies to the layer.
 
     The unquantized model's hidden state entering every decoder layer is kept per sample,
     so measuring a Linear of layer i reruns layers i.. only: half a forward pass on
@@ -67,7 +74,7 @@ def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples:
         mod = model.get_submodule(name)
         original = mod.weight.detach().clone()
         out[name] = {}
-        for sch in schemes:
+        for sch in (s for s in schemes if applies(s, original.shape[1])):
             q, scale, zero = rtn(original, sch)
             mod.weight.copy_(dequantize(q, scale, zero, sch).to(original.dtype))
             kl = 0.0
@@ -82,32 +89,39 @@ def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples:
 
 
 def measure_key(source_sha256: str, probe: list[list[int]], schemes: list[WeightScheme]) -> dict:
-    """What a sensitivity table was measured on: equal keys give equal tables."""
+    """What a sensitivity table was measured on: keys equal but for `schemes` give equal
+    entries for the precisions both measured."""
     return {"measure": MEASURE, "source_sha256": source_sha256,
             "probe_sha256": sha256_bytes(json.dumps(probe).encode()),
             "schemes": [s.describe() for s in schemes]}
 
 
-def reusable(recorded: object, key: dict, names: list[str]) -> tuple[dict | None, str]:
-    """An earlier manifest's `mixed_precision` entry -> (its table, "") when it was measured
-    under `key` on exactly these layers and precisions, else (None, the reason)."""
+def reusable(recorded: object, key: dict, in_features: dict[str, int],
+             schemes: list[WeightScheme]) -> tuple[dict | None, str]:
+    """An earlier manifest's `mixed_precision` entry -> (its table for these layers ({name:
+    input size}) and precisions, "") when it was measured as `key` says on exactly these
+    layers and on these precisions among others, else (None, the reason)."""
     if not isinstance(recorded, dict) or not isinstance(recorded.get("table"), dict):
         return None, "it has no mixed-precision sensitivity table"
-    if recorded.get("measured_on") != key:
-        old = recorded.get("measured_on") if isinstance(recorded.get("measured_on"), dict) else {}
-        diff = [k for k in key if old.get(k) != key[k]]
+    old = recorded.get("measured_on") if isinstance(recorded.get("measured_on"), dict) else {}
+    diff = [k for k in key if k != "schemes" and old.get(k) != key[k]]
+    if diff:
         return None, f"it was measured differently ({', '.join(diff)} differ)"
+    missing = [s for s in key["schemes"] if s not in (old.get("schemes") or [])]
+    if missing:
+        return None, f"it did not measure {', '.join(missing)}"
     table = recorded["table"]
-    want = set(key["schemes"])
-    if set(table) != set(names) or any(not isinstance(table[n], dict) or set(table[n]) != want or
-                                       not all(isinstance(v, float) for v in table[n].values()) for n in names):
-        return None, "its table does not cover exactly this model's layers and precisions"
-    return table, ""
+    want = {n: [s.describe() for s in schemes if applies(s, k)] for n, k in in_features.items()}
+    if set(table) != set(want) or any(not isinstance(table[n], dict) or not set(want[n]) <= set(table[n]) or
+                                      not all(isinstance(v, float) for v in table[n].values()) for n in want):
+        return None, "its table does not cover exactly this model's layers and their precisions"
+    return {n: {d: table[n][d] for d in want[n]} for n in want}, ""
 
 
 def assign(params: dict[str, int], in_features: dict[str, int], sens: dict[str, dict[str, float]],
            schemes: list[WeightScheme | None], budget: float, units: int = 4000) -> dict[str, WeightScheme | None]:
-    """The precision per layer minimizing summed sensitivity with average bits <= budget."""
+    """The precision per layer minimizing summed sensitivity with average bits <= budget, each
+    layer choosing among the `schemes` that apply to it (KEEP, bf16, always does)."""
     names = list(params)
     total = sum(params.values())
     unit = 16.0 * total / units  # bit cost in units of 1/units of the all-16-bit model
@@ -116,8 +130,10 @@ def assign(params: dict[str, int], in_features: dict[str, int], sens: dict[str, 
     best = [0.0] + [inf] * cap  # best[c]: least sensitivity with cost exactly... at most c
     choice: list[list[int]] = []
     for n in names:
-        costs = [math.ceil(bits_of(s, in_features[n]) * params[n] / unit - 1e-9) for s in schemes]
-        gains = [0.0 if s is None else sens[n][s.describe()] for s in schemes]
+        inf_cost = cap + 1  # a precision the layer cannot take
+        costs = [math.ceil(bits_of(s, in_features[n]) * params[n] / unit - 1e-9) if applies(s, in_features[n])
+                 else inf_cost for s in schemes]
+        gains = [0.0 if s is None or not applies(s, in_features[n]) else sens[n][s.describe()] for s in schemes]
         new = [inf] * (cap + 1)
         pick = [-1] * (cap + 1)
         for c in range(cap + 1):

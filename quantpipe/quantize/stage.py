@@ -664,13 +664,14 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     if cfg.scheme == "mixed":
         from quantpipe.quantize import mixed
 
-        cands = mixed.candidates(scheme.group_size)
-        measured = [c for c in cands if c is not mixed.KEEP]
+        measured = cfg.mixed_candidates()
+        cands = [mixed.KEEP, *measured]
+        inf = {n: k for n, k in zip(names, in_features)}
         probe = [s[: cfg.sensitivity_tokens] for s in samples[: cfg.sensitivity_samples]]
         key = mixed.measure_key(src_sha, probe, measured)
         sens, reused = None, None
         if earlier is not None:
-            sens, why = mixed.reusable(earlier.get("mixed_precision"), key, names)
+            sens, why = mixed.reusable(earlier.get("mixed_precision"), key, inf, measured)
             if sens is None:
                 log.info("measuring sensitivities: --sensitivity-from %s is not reusable: %s", sensitivity_from, why)
             else:
@@ -679,8 +680,11 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         if sens is None:
             sens = mixed.sensitivities(net, names, measured, probe)
         params = {n: net.get_submodule(n).weight.numel() for n in names}
-        inf = {n: k for n, k in zip(names, in_features)}
-        scheme_map = mixed.assign(params, inf, sens, cands, cfg.bits_budget)
+        try:
+            scheme_map = mixed.assign(params, inf, sens, cands, cfg.bits_budget)
+        except ValueError as e:
+            raise StageError(f"bits_budget: {e} with mixed_bits {list(cfg.mixed_bits)} and group sizes that divide "
+                             f"each layer's input") from None
         avg = sum(mixed.bits_of(scheme_map[n], inf[n]) * params[n] for n in names) / sum(params.values())
         sensitivity = {"table": sens, "measured_on": key, "reused_from": reused, "bits_budget": cfg.bits_budget,
                        "average_bits": round(avg, 4),

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from quantpipe.manifest import StageError
 from quantpipe.quantize import QuantConfig, quantize
+from quantpipe.quantize.rtn import WeightScheme
 from quantpipe.runtime import LLM, SamplingParams
 from quantpipe.runtime.model.forward import sequence_logits
 from quantpipe.runtime.model.loader import load_model
@@ -194,11 +195,12 @@ def test_mixed_precision_meets_its_budget_and_loads(tmp_path):
 
     # The knapsack itself: the sensitive layer keeps precision, the budget holds.
     sens = {"a": {"W8 channel sym": 0.1, "W4 g64 sym": 5.0}, "b": {"W8 channel sym": 0.01, "W4 g64 sym": 0.02}}
-    from quantpipe.quantize.mixed import candidates
+    candidates = [None, *QuantConfig(scheme="mixed", bits_budget=5, group_size=64).mixed_candidates()]
+    assert candidates[1:] == [WeightScheme(4, 64, True), WeightScheme(8, None, True)]
 
-    got = assign({"a": 1000, "b": 1000}, {"a": 64, "b": 64}, sens, candidates(64), budget=6.5)
+    got = assign({"a": 1000, "b": 1000}, {"a": 64, "b": 64}, sens, candidates, budget=6.5)
     assert got["a"].num_bits == 8 and got["b"].num_bits == 4
-    got = assign({"a": 1000, "b": 1000}, {"a": 64, "b": 64}, sens, candidates(64), budget=16)
+    got = assign({"a": 1000, "b": 1000}, {"a": 64, "b": 64}, sens, candidates, budget=16)
     assert got == {"a": None, "b": None}
 
     _, src = build(tmp_path, "llama-gqa-untied-llama3-rope")
@@ -216,8 +218,39 @@ def test_mixed_precision_meets_its_budget_and_loads(tmp_path):
     bits = {n: m.__class__.__name__ for n, m in model.named_modules() if hasattr(m, "kernel")}
     assert bits
     assert torch.allclose(sequence_logits(model, IDS), hf_reference_logits_mixed(out), atol=2e-3, rtol=1e-3)
-    with pytest.raises(StageError, match="below the smallest scheme"):
-        QuantConfig(scheme="mixed", bits_budget=3)
+    with pytest.raises(StageError, match=r"bits_budget 4.2 is below the smallest candidate's 4.25 bits per weight "
+                                         r"\(W4 g64 sym"):
+        QuantConfig(scheme="mixed", bits_budget=4.2, group_size=64)
+    with pytest.raises(StageError, match=r"smallest candidate's 3.125 bits per weight \(W3 g128 sym"):
+        QuantConfig(scheme="mixed", bits_budget=3, mixed_bits=[3, 4, 8])
+    with pytest.raises(StageError, match=r"mixed_bits: bit widths from 2 to 8, at least one; got \[4, 9\]"):
+        QuantConfig(scheme="mixed", bits_budget=5, mixed_bits="4,9")
+    with pytest.raises(StageError, match=r"mixed_group_sizes: each one of 32, 64, 128, at least one; got \[48\]"):
+        QuantConfig(scheme="mixed", bits_budget=5, mixed_group_sizes=[48])
+
+
+def test_mixed_precision_with_3_and_6_bit_layers_is_what_compressed_tensors_reads(tmp_path):
+    """3- and 6-bit layers (values straddling int32 words) in one artifact: each layer measured
+    at the group sizes that divide its input, the budget held, and the runtime's model equal to
+    HF transformers on the weights compressed-tensors decompresses."""
+    _, src = build(tmp_path, "llama-gqa-untied-llama3-rope")
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(0, 320, (32,), generator=g).tolist() for _ in range(4)]
+    out = str(tmp_path / "mixed36")
+    cfg = QuantConfig(scheme="mixed", bits_budget=4.6, mixed_bits=[3, 6], dtype="float32")
+    mp = quantize(src, cfg, None, out, calib_token_ids=ids).manifest["mixed_precision"]
+    # hidden 64, intermediate 128: g128 fits the down projections only
+    assert set(mp["table"]["layers.0.mlp.down_proj"]) == {f"W{b} g{s} sym" for b in (3, 6) for s in (32, 64, 128)}
+    assert set(mp["table"]["layers.0.self_attn.qkv_proj"]) == {f"W{b} g{s} sym" for b in (3, 6) for s in (32, 64)}
+    chosen = set(mp["chosen"].values())
+    assert mp["average_bits"] <= 4.6 and {c.split()[0] for c in chosen} >= {"W3", "W6"}, chosen
+    model, _, _ = load_model(out, torch.float32)
+    assert torch.allclose(sequence_logits(model, IDS), hf_reference_logits_mixed(out), atol=2e-3, rtol=1e-3)
+    with pytest.raises(StageError, match=r"bits_budget: no assignment fits 3.3 bits per weight with mixed_bits "
+                                         r"\[3, 6\]"):
+        quantize(src, QuantConfig(scheme="mixed", bits_budget=3.3, mixed_bits=[3, 6], mixed_group_sizes=[128],
+                                  dtype="float32"), None, str(tmp_path / "nofit"), calib_token_ids=ids)
+    assert not (tmp_path / "nofit").exists()
 
 
 def hf_reference_logits_mixed(artifact: str) -> torch.Tensor:

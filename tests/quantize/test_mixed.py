@@ -79,13 +79,23 @@ def test_a_table_measured_alike_is_reused_across_budgets_and_gives_the_same_arti
     for f in ("model.safetensors", "config.json"):
         assert (tmp_path / "six-reused" / f).read_bytes() == (tmp_path / "six" / f).read_bytes(), f
 
+    # Fewer precisions read their entries out of the larger table; more are measured again.
+    fewer = run("five-w4", 5.0, earlier=str(tmp_path / "five"), mixed_bits=[4]).manifest["mixed_precision"]
+    assert fewer["reused_from"] is not None
+    assert fewer["table"] == {n: {"W4 g32 sym": v["W4 g32 sym"]} for n, v in mp["table"].items()}
+    assert fewer["measured_on"]["schemes"] == ["W4 g32 sym"]
+    with caplog.at_level("INFO", logger="quantpipe.quantize"):
+        more = run("five-w3", 5.0, earlier=str(tmp_path / "five"), mixed_bits=[3, 4, 8])
+    assert more.manifest["mixed_precision"]["reused_from"] is None
+    assert "is not reusable: it did not measure W3 g32 sym" in caplog.text
     with caplog.at_level("INFO", logger="quantpipe.quantize"):
         other = run("six-longer", 6.0, earlier=str(tmp_path / "five"), sensitivity_tokens=16)
     assert other.manifest["mixed_precision"]["reused_from"] is None
     assert "is not reusable: it was measured differently (probe_sha256 differ)" in caplog.text
     table, why = mixed.reusable(five.manifest["mixed_precision"],
                                 dict(five.manifest["mixed_precision"]["measured_on"], source_sha256="0" * 64),
-                                list(five.manifest["mixed_precision"]["table"]))
+                                dict.fromkeys(five.manifest["mixed_precision"]["table"], 64),
+                                QuantConfig(scheme="mixed", bits_budget=5, group_size=32).mixed_candidates())
     assert table is None and why == "it was measured differently (source_sha256 differ)"
 
     with pytest.raises(StageError, match="--sensitivity-from .*: not a quantpipe artifact"):
