@@ -43,6 +43,8 @@ NON_DEFAULT = {
     "calibrate_all_experts": ({"method": "gptq", "calibrate_all_experts": True}, True),
     "rotations": ({"rotations": ["r4", "R1"]}, ("R1", "R4")),
     "hadamard_block_size": ({"rotations": ["R4"], "hadamard_block_size": 64}, 64),
+    "mixed_bits": ({"scheme": "mixed", "bits_budget": 4.25, "mixed_bits": [8, 3, 4, 6]}, (3, 4, 6, 8)),
+    "mixed_group_sizes": ({"scheme": "mixed", "bits_budget": 5, "mixed_group_sizes": [128, 64]}, (64, 128)),
 }
 
 
@@ -67,6 +69,8 @@ def test_clip_defaults_to_each_methods_best_measured_grid():
     assert QuantConfig(method="gptq", clip="minmax").clip == "minmax"
     (cand,) = _recipe([{"method": "gptq", "clip": None}]).candidates
     assert cand.config.clip == "mse" and cand.name == "w4a16-gptq-mse"  # the name says what it is
+    (cand,) = _recipe([{"scheme": "mixed", "bits_budget": 4.25, "mixed_bits": [3, 4, 6, 8]}]).candidates
+    assert cand.name == "mixed-4.25b-w3468-rtn"
 
 
 def test_default_recipe_is_a_ladder_of_valid_candidates():

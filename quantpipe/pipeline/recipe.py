@@ -179,6 +179,8 @@ def default_name(cfg) -> str:
     parts = [cfg.scheme.lower()]
     if cfg.scheme == "mixed" and cfg.bits_budget is not None:
         parts.append(f"{cfg.bits_budget:g}b")
+        if cfg.mixed_bits != type(cfg).mixed_bits:
+            parts.append("w" + "".join(map(str, cfg.mixed_bits)))
     if cfg.group_size:
         parts.append(f"g{cfg.group_size}")
     parts.append(cfg.method)
