@@ -187,8 +187,11 @@ def smooth(model, samples: list[list[int]], alpha: float) -> dict:
 
 
 # GPTQ with clip="mse": each group's range shrink, searched by the layer's output error
-# (H-weighted) before GPTQ fixes its grid. 8 bits: steps of 1% (a 5% step clips too much).
-GPTQ_CLIP_SHRINKS = {4: awq.SHRINKS, 8: tuple(1 - 0.01 * i for i in range(21))}
+# (H-weighted) before GPTQ fixes its grid. Up to 4 bits AWQ's steps of 5%; 8 bits (and the
+# 5-7 of mixed precision, whose steps are as fine) 1% (a 5% step clips too much).
+def gptq_clip_shrinks(num_bits: int) -> tuple[float, ...]:
+    return awq.SHRINKS if num_bits <= 4 else tuple(1 - 0.01 * i for i in range(21))
+
 
 
 class _InputsTaken(Exception):
@@ -335,7 +338,7 @@ def _layerwise(model, samples: list[list[int]], schemes: dict[str, WeightScheme 
                 shrink = None
                 if cfg.clip == "mse":
                     shrink = awq.search_clip(mod.weight.float(), hs[local_name], scheme,
-                                             GPTQ_CLIP_SHRINKS[scheme.num_bits])
+                                             gptq_clip_shrinks(scheme.num_bits))
                 try:
                     q, scale, zero, used = gptq(mod.weight, hs[local_name], scheme, cfg.dampening, cfg.block_size,
                                                 cfg.act_order, scale_dtype, shrink)

@@ -230,14 +230,14 @@ def test_mixed_precision_meets_its_budget_and_loads(tmp_path):
 
 
 def test_mixed_precision_with_3_and_6_bit_layers_is_what_compressed_tensors_reads(tmp_path):
-    """3- and 6-bit layers (values straddling int32 words) in one artifact: each layer measured
-    at the group sizes that divide its input, the budget held, and the runtime's model equal to
-    HF transformers on the weights compressed-tensors decompresses."""
+    """3- and 6-bit layers (values straddling int32 words) in one GPTQ artifact: each layer
+    measured at the group sizes that divide its input, the budget held, and the runtime's model
+    equal to HF transformers on the weights compressed-tensors decompresses."""
     _, src = build(tmp_path, "llama-gqa-untied-llama3-rope")
     g = torch.Generator().manual_seed(2)
-    ids = [torch.randint(0, 320, (32,), generator=g).tolist() for _ in range(4)]
+    ids = [torch.randint(0, 320, (40,), generator=g).tolist() for _ in range(8)]  # GPTQ: 2 x 128 tokens at least
     out = str(tmp_path / "mixed36")
-    cfg = QuantConfig(scheme="mixed", bits_budget=4.6, mixed_bits=[3, 6], dtype="float32")
+    cfg = QuantConfig(scheme="mixed", bits_budget=4.6, mixed_bits=[3, 6], method="gptq", dtype="float32")
     mp = quantize(src, cfg, None, out, calib_token_ids=ids).manifest["mixed_precision"]
     # hidden 64, intermediate 128: g128 fits the down projections only
     assert set(mp["table"]["layers.0.mlp.down_proj"]) == {f"W{b} g{s} sym" for b in (3, 6) for s in (32, 64, 128)}
