@@ -119,37 +119,47 @@ def reusable(recorded: object, key: dict, in_features: dict[str, int],
 
 
 def assign(params: dict[str, int], in_features: dict[str, int], sens: dict[str, dict[str, float]],
-           schemes: list[WeightScheme | None], budget: float, units: int = 4000) -> dict[str, WeightScheme | None]:
+           schemes: list[WeightScheme | None], budget: float, resolution: int = 20000) -> dict[str, WeightScheme | None]:
     """The precision per layer minimizing summed sensitivity with average bits <= budget, each
-    layer choosing among the `schemes` that apply to it (KEEP, bf16, always does)."""
+    layer choosing among the `schemes` that apply to it (KEEP, bf16, always does).
+
+    Every layer starts at its cheapest precision (exact), and the bits left over are spent in
+    `resolution` units: each layer's upgrades cost their extra bits rounded up to whole units,
+    so the result never exceeds the budget and leaves at most one unit per layer unspent
+    (210 layers: 1% of what was left over). Solved exactly over those units by dynamic
+    programming, one vector pass per layer and precision.
+    """
     names = list(params)
     total = sum(params.values())
-    unit = 16.0 * total / units  # bit cost in units of 1/units of the all-16-bit model
-    cap = math.floor(budget * total / unit + 1e-9)
+    usable = [[k for k, s in enumerate(schemes) if applies(s, in_features[n])] for n in names]
+    base = [min(bits_of(schemes[k], in_features[n]) for k in ks) * params[n] for n, ks in zip(names, usable)]
+    spare = budget * total - sum(base)
+    if spare < -1e-6 * total:
+        raise ValueError(f"no assignment fits {budget} bits per weight (the cheapest takes {sum(base) / total:.4g})")
+    unit = max(spare, 1e-9) / resolution
     inf = float("inf")
-    best = [0.0] + [inf] * cap  # best[c]: least sensitivity with cost exactly... at most c
-    choice: list[list[int]] = []
-    for n in names:
-        inf_cost = cap + 1  # a precision the layer cannot take
-        costs = [math.ceil(bits_of(s, in_features[n]) * params[n] / unit - 1e-9) if applies(s, in_features[n])
-                 else inf_cost for s in schemes]
-        gains = [0.0 if s is None or not applies(s, in_features[n]) else sens[n][s.describe()] for s in schemes]
-        new = [inf] * (cap + 1)
-        pick = [-1] * (cap + 1)
-        for c in range(cap + 1):
-            if best[c] == inf:
+    best = torch.full((resolution + 1,), inf, dtype=torch.float64)
+    best[0] = 0.0  # best[c]: the least summed sensitivity with exactly c units spent
+    picks, costs_of = [], []
+    for n, ks, b in zip(names, usable, base):
+        costs = [math.ceil((bits_of(schemes[k], in_features[n]) * params[n] - b) / unit - 1e-6) for k in ks]
+        new = torch.full_like(best, inf)
+        pick = torch.zeros(resolution + 1, dtype=torch.int16)
+        for k, cost in zip(ks, costs):
+            if cost > resolution:
                 continue
-            for k, (cost, g) in enumerate(zip(costs, gains)):
-                if c + cost <= cap and best[c] + g < new[c + cost]:
-                    new[c + cost], pick[c + cost] = best[c] + g, k * (cap + 1) + c
+            gain = 0.0 if schemes[k] is None else sens[n][schemes[k].describe()]
+            moved = torch.cat([torch.full((cost,), inf, dtype=torch.float64), best[: resolution + 1 - cost] + gain])
+            better = moved < new
+            new = torch.where(better, moved, new)
+            pick = torch.where(better, torch.tensor(k, dtype=torch.int16), pick)
         best = new
-        choice.append(pick)
-    end = min((c for c in range(cap + 1) if best[c] < inf), key=lambda c: (best[c], c), default=None)
-    if end is None:
-        raise ValueError(f"no assignment fits {budget} bits per weight")
+        picks.append(pick)
+        costs_of.append(dict(zip(ks, costs)))
+    end = int(torch.argmin(best))  # the first of equal sums: the fewest units
     out: dict[str, WeightScheme | None] = {}
-    for n, pick in zip(reversed(names), reversed(choice)):
-        k, prev = divmod(pick[end], cap + 1)
+    for n, pick, costs in zip(reversed(names), reversed(picks), reversed(costs_of)):
+        k = int(pick[end])
         out[n] = schemes[k]
-        end = prev
+        end -= costs[k]
     return {n: out[n] for n in names}

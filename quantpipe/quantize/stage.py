@@ -692,6 +692,10 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         sensitivity = {"table": sens, "measured_on": key, "reused_from": reused, "bits_budget": cfg.bits_budget,
                        "average_bits": round(avg, 4),
                        "chosen": {n: (s.describe() if s else "bf16") for n, s in scheme_map.items()}}
+        odd = sorted({s.num_bits for s in scheme_map.values() if s is not None} - {4, 8})
+        if odd:
+            log.warning("mixed precision chose %s-bit layers: quantpipe serves them, vLLM's compressed-tensors "
+                        "weight-only path takes 4 and 8 bits only", "/".join(map(str, odd)))
         phases["sensitivity_s"] = time.perf_counter() - t
         t = time.perf_counter()
     memory = None

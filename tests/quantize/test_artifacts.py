@@ -229,7 +229,7 @@ def test_mixed_precision_meets_its_budget_and_loads(tmp_path):
         QuantConfig(scheme="mixed", bits_budget=5, mixed_group_sizes=[48])
 
 
-def test_mixed_precision_with_3_and_6_bit_layers_is_what_compressed_tensors_reads(tmp_path):
+def test_mixed_precision_with_3_and_6_bit_layers_is_what_compressed_tensors_reads(tmp_path, caplog):
     """3- and 6-bit layers (values straddling int32 words) in one GPTQ artifact: each layer
     measured at the group sizes that divide its input, the budget held, and the runtime's model
     equal to HF transformers on the weights compressed-tensors decompresses."""
@@ -238,7 +238,10 @@ def test_mixed_precision_with_3_and_6_bit_layers_is_what_compressed_tensors_read
     ids = [torch.randint(0, 320, (40,), generator=g).tolist() for _ in range(8)]  # GPTQ: 2 x 128 tokens at least
     out = str(tmp_path / "mixed36")
     cfg = QuantConfig(scheme="mixed", bits_budget=4.6, mixed_bits=[3, 6], method="gptq", dtype="float32")
-    mp = quantize(src, cfg, None, out, calib_token_ids=ids).manifest["mixed_precision"]
+    with caplog.at_level("WARNING", logger="quantpipe.quantize"):
+        mp = quantize(src, cfg, None, out, calib_token_ids=ids).manifest["mixed_precision"]
+    assert "chose 3/6-bit layers: quantpipe serves them, vLLM's compressed-tensors weight-only path takes 4 and 8 " \
+           "bits only" in caplog.text
     # hidden 64, intermediate 128: g128 fits the down projections only
     assert set(mp["table"]["layers.0.mlp.down_proj"]) == {f"W{b} g{s} sym" for b in (3, 6) for s in (32, 64, 128)}
     assert set(mp["table"]["layers.0.self_attn.qkv_proj"]) == {f"W{b} g{s} sym" for b in (3, 6) for s in (32, 64)}
@@ -246,8 +249,8 @@ def test_mixed_precision_with_3_and_6_bit_layers_is_what_compressed_tensors_read
     assert mp["average_bits"] <= 4.6 and {c.split()[0] for c in chosen} >= {"W3", "W6"}, chosen
     model, _, _ = load_model(out, torch.float32)
     assert torch.allclose(sequence_logits(model, IDS), hf_reference_logits_mixed(out), atol=2e-3, rtol=1e-3)
-    with pytest.raises(StageError, match=r"bits_budget: no assignment fits 3.3 bits per weight with mixed_bits "
-                                         r"\[3, 6\]"):
+    with pytest.raises(StageError, match=r"bits_budget: no assignment fits 3.3 bits per weight \(the cheapest "
+                                         r"takes 13.14\) with mixed_bits \[3, 6\]"):
         quantize(src, QuantConfig(scheme="mixed", bits_budget=3.3, mixed_bits=[3, 6], mixed_group_sizes=[128],
                                   dtype="float32"), None, str(tmp_path / "nofit"), calib_token_ids=ids)
     assert not (tmp_path / "nofit").exists()

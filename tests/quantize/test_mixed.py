@@ -103,3 +103,37 @@ def test_a_table_measured_alike_is_reused_across_budgets_and_gives_the_same_arti
     with pytest.raises(StageError, match="--sensitivity-from applies to --scheme mixed only"):
         quantize(src, QuantConfig(scheme="W8A16"), None, str(tmp_path / "w8"), sensitivity_from=str(tmp_path / "five"))
     assert not (tmp_path / "bad").exists() and not (tmp_path / "w8").exists()
+
+
+def test_assignment_is_the_best_within_the_budget_and_fits_at_the_cheapest_average():
+    """Against every assignment of 6 layers (4 precisions, one of them not dividing 2 layers):
+    the knapsack's never exceeds the budget, and its summed sensitivity is the least among
+    those that fit with a margin of one unit per layer (what rounding costs may leave unspent).
+    A budget equal to the cheapest assignment's average fits: all at their cheapest."""
+    import itertools
+
+    cands = [None, WeightScheme(8, None, True), WeightScheme(4, 128, True), WeightScheme(3, 64, True)]
+    g = torch.Generator().manual_seed(7)
+    params = {f"l{i}": int(p) for i, p in enumerate(torch.randint(1000, 5000, (6,), generator=g))}
+    inf = {n: 192 if i < 2 else 256 for i, n in enumerate(params)}  # 128 does not divide 192
+    sens = {n: {c.describe(): float(torch.rand((), generator=g)) * c.num_bits ** -2 for c in cands[1:]
+                if mixed.applies(c, inf[n])} for n in params}
+    total = sum(params.values())
+
+    def cost(a):
+        return sum(mixed.bits_of(s, inf[n]) * params[n] for n, s in zip(params, a)) / total
+
+    def loss(a):
+        return sum(0.0 if s is None else sens[n][s.describe()] for n, s in zip(params, a))
+
+    every = [a for a in itertools.product(cands, repeat=6) if all(mixed.applies(s, inf[n]) for n, s in zip(params, a))]
+    cheapest = min(map(cost, every))
+    for budget in (cheapest, 4.0, 5.0, 7.5, 12.0):
+        got = mixed.assign(params, inf, sens, cands, budget, resolution=2000)
+        a = [got[n] for n in params]
+        assert cost(a) <= budget + 1e-12
+        margin = 6 * (budget - cheapest) / 2000
+        assert loss(a) <= min(loss(b) for b in every if cost(b) <= budget - margin) + 1e-12, budget
+    assert all(s is not None and s.num_bits in (3, 4) for s in mixed.assign(params, inf, sens, cands, cheapest).values())
+    with pytest.raises(ValueError, match=r"no assignment fits 3.0 bits per weight \(the cheapest takes 3.25\)"):
+        mixed.assign(params, inf, sens, cands, 3.0)
