@@ -73,6 +73,10 @@ class QuantConfig:
     sensitivity_tokens: int = 128
     # mixed: the precisions a layer may take besides bf16: each bit width below 8 by group
     # (every size of mixed_group_sizes that divides the layer's input), 8 bits per channel.
+    # 4 and 8 by default, the widths vLLM's compressed-tensors weight-only path loads. 3 and 6
+    # as well did not pay at W4 g64's bytes on the default model: GPTQ's perplexity increase was
+    # +9.3% against +6.1% over 4 and 8 only and +6.7% for uniform W4 g64 (BENCHMARKS.md,
+    # "Mixed precision over 3 to 8 bits at W4's bytes").
     # mixed_group_sizes None: group_size if given, else all of GROUP_SIZES.
     mixed_bits: tuple[int, ...] = (4, 8)
     mixed_group_sizes: tuple[int, ...] | None = None
