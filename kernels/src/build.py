@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from quantpipe.formats import artifact as artifact_format
 from quantpipe.formats.artifact import QuantWeight
-from quantpipe.formats.packing import pack_int32
+from quantpipe.formats.packing import container_bits, pack_int32
 from quantpipe.kernels import int8_gemm, mixed_gemm, paged_attention, reference
 from quantpipe.kernels.configs import INTERPRET_CONFIGS, GemmConfig, gemm_configs
 from quantpipe.kernels.plan import CACHE_DIR, PLAN_FILE, PLAN_FORMAT, triton_version, weight_case
@@ -131,22 +131,22 @@ class GemmCase:
     def __init__(self, case: Case, qw: QuantWeight, device: torch.device):
         self.case, self.qw = case, qw
         self.scale = qw.scale.float().to(device)
+        self.bits = container_bits(qw.num_bits)  # the layout the kernel reads
         if case.kernel == "mixed_gemm":
-            self.packed = pack_int32(qw.q, qw.num_bits).to(device)
+            self.packed = pack_int32(qw.q, self.bits).to(device)
             self.zero = None if qw.zero is None else qw.zero.float().to(device)
         else:
             self.weight = qw.q.to(device)
 
     def run(self, x: torch.Tensor, config: GemmConfig) -> torch.Tensor:
         if self.case.kernel == "mixed_gemm":
-            return mixed_gemm.mixed_gemm(x, self.packed, self.scale, self.zero, self.qw.num_bits,
-                                         self.qw.group_size, config)
+            return mixed_gemm.mixed_gemm(x, self.packed, self.scale, self.zero, self.bits, self.qw.group_size,
+                                         config)
         return int8_gemm.w8a8_gemm(x, self.weight, self.scale, config)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         if self.case.kernel == "mixed_gemm":
-            return reference.mixed_gemm_ref(x, self.packed, self.scale, self.zero, self.qw.num_bits,
-                                            self.qw.group_size)
+            return reference.mixed_gemm_ref(x, self.packed, self.scale, self.zero, self.bits, self.qw.group_size)
         return reference.w8a8_gemm_ref(x, self.weight, self.scale)
 
     def check(self, x: torch.Tensor, config: GemmConfig, label: str) -> dict:

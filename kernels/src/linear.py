@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from quantpipe.formats.artifact import QuantWeight
-from quantpipe.formats.packing import pack_int32
+from quantpipe.formats.packing import container_bits, pack_int32
 from quantpipe.kernels.configs import GemmConfig, bucket_for
 from quantpipe.kernels.int8_gemm import w8a8_gemm
 from quantpipe.kernels.mixed_gemm import mixed_gemm
@@ -33,15 +33,16 @@ class _TritonLinear(nn.Module):
 
 
 class TritonMixedLinear(_TritonLinear):
-    """W4A16 / W8A16 through the mixed-input GEMM, weights packed as compressed-tensors stores them."""
+    """W4A16 / W8A16 through the mixed-input GEMM, weights packed as compressed-tensors stores them
+    (fewer bits in the 4- or 8-bit layout that holds them)."""
 
     kernel = "triton-mixed"
 
     def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  configs: dict[int, GemmConfig]):
         super().__init__(qw, bias, dtype, configs)
-        self.bits, self.group_size = qw.num_bits, qw.group_size
-        self.register_buffer("weight_packed", pack_int32(qw.q, qw.num_bits))
+        self.bits, self.group_size = container_bits(qw.num_bits), qw.group_size
+        self.register_buffer("weight_packed", pack_int32(qw.q, self.bits))
         self.register_buffer("weight_scale", qw.scale.float().contiguous())
         self.register_buffer("weight_zero", None if qw.zero is None else qw.zero.float().contiguous())
 

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantpipe.formats.packing import container_bits
 from quantpipe.kernels.configs import GemmConfig, bucket_for
 
 log = logging.getLogger("quantpipe.kernels")
@@ -47,9 +48,10 @@ def unsupported_reason(bits: int, group_size: int | None, k: int) -> str | None:
 
 
 def weight_case(qw) -> tuple[str, str, str | None]:
-    """A QuantWeight's (case key, kernel, reason it has none or None)."""
+    """A QuantWeight's (case key, kernel, reason it has none or None). Weights of fewer bits
+    are the case of the width that holds them (`container_bits`: W3 is a W4A16 case)."""
     n, k = qw.q.shape
-    scheme = scheme_name(qw.num_bits, qw.act_bits)
+    scheme = scheme_name(container_bits(qw.num_bits) if qw.act_bits is None else qw.num_bits, qw.act_bits)
     if qw.act_bits is not None:
         kernel = "w8a8_gemm"
         reason = None if (qw.num_bits, qw.group_size, qw.zero) == (8, None, None) else \
@@ -58,7 +60,7 @@ def weight_case(qw) -> tuple[str, str, str | None]:
             f"per-channel symmetric ones)"
     else:
         kernel = "mixed_gemm"
-        reason = unsupported_reason(qw.num_bits, qw.group_size, k)
+        reason = unsupported_reason(container_bits(qw.num_bits), qw.group_size, k)
     return case_key(kernel, scheme, qw.group_size, qw.zero is None, n, k), kernel, reason
 
 

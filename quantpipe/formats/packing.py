@@ -15,9 +15,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["packed_words", "pack_int32", "unpack_int32"]
+__all__ = ["container_bits", "packed_words", "pack_int32", "unpack_int32"]
 
 MAX_BITS = 8
+
+
+def container_bits(num_bits: int) -> int:
+    """The kernel layout that holds b-bit integers exactly, with the same scales and zero points:
+    4 bits up to 4, else 8 (the widths the CPU and Triton kernels take)."""
+    return 4 if num_bits <= 4 else 8
 
 
 def packed_words(num_bits: int, size: int) -> int:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantpipe.formats.artifact import QuantWeight
+from quantpipe.formats.packing import container_bits
 from quantpipe.runtime.model.cpu_kernels import ALL_ON, CpuKernels
 
 log = logging.getLogger("quantpipe.runtime")
@@ -255,11 +256,6 @@ class DequantLinear(nn.Linear):
         self.weight = nn.Parameter(qw.dequantize(dtype), requires_grad=False)
         if bias is not None:
             self.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-
-
-def container_bits(num_bits: int) -> int:
-    """The kernel width that holds b-bit integers exactly: 4 up to 4 bits, else 8."""
-    return 4 if num_bits <= 4 else 8
 
 
 def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,

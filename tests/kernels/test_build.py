@@ -76,7 +76,7 @@ def test_a_wrong_scale_in_one_kernel_fails_verification(w4_artifact, monkeypatch
             return real_run(self, x, config)
         scale = self.scale.clone()
         scale[7, 1] *= 1.05  # the kernel gets it; the reference keeps the artifact's scale
-        return mixed_gemm.mixed_gemm(x, self.packed, scale, self.zero, self.qw.num_bits, self.qw.group_size,
+        return mixed_gemm.mixed_gemm(x, self.packed, scale, self.zero, self.bits, self.qw.group_size,
                                      config)
 
     monkeypatch.setattr(build_stage.GemmCase, "run", faulty_run)

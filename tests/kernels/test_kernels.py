@@ -184,3 +184,29 @@ def test_fp8_cache_has_no_kernel_and_says_so():
     cache = make_kv_cache(32, 3, 64, torch.float32, DEVICE, "fp8")
     with pytest.raises(ValueError, match="no paged attention kernel for a fp8 KV cache"):
         paged_attention.paged_decode(torch.randn(1, 9, 64), cache, torch.tensor([[0]]), torch.tensor([3]), BLOCK)
+
+
+@pytest.mark.parametrize("bits, group, symmetric, wide", [(3, 64, True, 4), (2, 32, False, 4), (6, 32, True, 8)])
+def test_fewer_bits_are_the_case_and_layout_of_the_width_that_holds_them(bits, group, symmetric, wide):
+    """Mixed precision's W2/W3 layers are W4A16 cases and W6 ones W8A16 cases: the same key
+    (the configs tuned for that width and shape) and, through TritonMixedLinear, exactly what the
+    same integers declared at that width compute."""
+    from quantpipe.formats.artifact import QuantWeight
+    from quantpipe.kernels.linear import TritonMixedLinear
+    from quantpipe.kernels.plan import weight_case
+
+    g = torch.Generator().manual_seed(bits)
+    n, k = 40, 3 * group
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand((n, k // group), generator=g) * 0.02 + 0.002
+    zero = None if symmetric else torch.randint(lo, hi, (n, k // group), generator=g).float()
+    narrow, same = QuantWeight(q, scale, zero, bits, group), QuantWeight(q, scale, zero, wide, group)
+    key, kernel, reason = weight_case(narrow)
+    assert (key, kernel, reason) == weight_case(same) and f"/W{wide}A16/" in key and reason is None
+    x = torch.randn((5, k), generator=g).to(DEVICE)
+    configs = {1: INTERPRET_CONFIGS[0]}
+    got = TritonMixedLinear(narrow, None, torch.float32, configs).to(DEVICE)(x)
+    assert torch.equal(got, TritonMixedLinear(same, None, torch.float32, configs).to(DEVICE)(x))
+    ref = x.float().cpu() @ narrow.dequantize(torch.float32).t()
+    assert _rel_err(got.cpu(), ref) <= TOLERANCE[torch.float32]
