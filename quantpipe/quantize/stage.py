@@ -193,7 +193,6 @@ def gptq_clip_shrinks(num_bits: int) -> tuple[float, ...]:
     return awq.SHRINKS if num_bits <= 4 else tuple(1 - 0.01 * i for i in range(21))
 
 
-
 class _InputsTaken(Exception):
     """Raised by the input hook of a layer's last Linear once its input is in: the rest of
     that calibration pass computes only the layer's output, which `_layer_hessians` drops."""
