@@ -43,7 +43,7 @@ from quantpipe.quantize.config import CLIPS, KV_CACHES, KV_STRATEGIES, LEARN_DTY
                                    "channel), e.g. 3,4,6,8")
 @click.option("--mixed-group-sizes", default=None, metavar="SIZES",
               help="mixed: group sizes of the widths below 8, each where it divides the layer's input "
-                   "[default: --group-size if given, else 32,64,128]")
+                   "[default: --group-size, or W4A16's default for the model]")
 @click.option("--sensitivity-from", default=None, metavar="ARTIFACT",
               help="mixed: reuse this earlier mixed artifact's sensitivity table when its manifest shows it was "
                    "measured on the same model, sequences and precisions (else measure again)")

@@ -77,7 +77,8 @@ class QuantConfig:
     # as well did not pay at W4 g64's bytes on the default model: GPTQ's perplexity increase was
     # +9.3% against +6.1% over 4 and 8 only and +6.7% for uniform W4 g64 (BENCHMARKS.md,
     # "Mixed precision over 3 to 8 bits at W4's bytes").
-    # mixed_group_sizes None: group_size if given, else all of GROUP_SIZES.
+    # mixed_group_sizes None: one size, group_size or W4A16's default for the model (each
+    # further size costs another sensitivity measurement per layer and width).
     mixed_bits: tuple[int, ...] = (4, 8)
     mixed_group_sizes: tuple[int, ...] | None = None
     kv_cache: str = "none"  # K/V storage the artifact is served with: int8 or fp8 (symmetric)
@@ -239,10 +240,13 @@ class QuantConfig:
                                  f"{sorted(set(in_features))}")
         return WeightScheme(self.num_bits, gs, self.symmetric)
 
-    def mixed_candidates(self) -> list[WeightScheme]:
+    def mixed_candidates(self, resolved_group_size: int | None = None) -> list[WeightScheme]:
         """scheme mixed: the quantized precisions a layer may take (bf16 besides), before
-        each layer keeps those whose group size divides its input."""
-        sizes = self.mixed_group_sizes or ((self.group_size,) if self.group_size else GROUP_SIZES)
+        each layer keeps those whose group size divides its input. `resolved_group_size`:
+        weight_scheme's for the model, the one size used when neither mixed_group_sizes nor
+        group_size is given (without it, every size: the floor check's lower bound)."""
+        one = self.group_size or resolved_group_size
+        sizes = self.mixed_group_sizes or ((one,) if one else GROUP_SIZES)
         return [WeightScheme(b, None, self.symmetric) if b == 8 else WeightScheme(b, g, self.symmetric)
                 for b in self.mixed_bits for g in (sizes if b < 8 else (None,))]
 

@@ -666,7 +666,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
     if cfg.scheme == "mixed":
         from quantpipe.quantize import mixed
 
-        measured = cfg.mixed_candidates()
+        measured = cfg.mixed_candidates(scheme.group_size)
         cands = [mixed.KEEP, *measured]
         inf = {n: k for n, k in zip(names, in_features)}
         probe = [s[: cfg.sensitivity_tokens] for s in samples[: cfg.sensitivity_samples]]

@@ -197,6 +197,8 @@ def test_mixed_precision_meets_its_budget_and_loads(tmp_path):
     sens = {"a": {"W8 channel sym": 0.1, "W4 g64 sym": 5.0}, "b": {"W8 channel sym": 0.01, "W4 g64 sym": 0.02}}
     candidates = [None, *QuantConfig(scheme="mixed", bits_budget=5, group_size=64).mixed_candidates()]
     assert candidates[1:] == [WeightScheme(4, 64, True), WeightScheme(8, None, True)]
+    # No group size given: one, the model's W4A16 default, not every size (each costs a measurement).
+    assert QuantConfig(scheme="mixed", bits_budget=5).mixed_candidates(64) == candidates[1:]
 
     got = assign({"a": 1000, "b": 1000}, {"a": 64, "b": 64}, sens, candidates, budget=6.5)
     assert got["a"].num_bits == 8 and got["b"].num_bits == 4
@@ -237,7 +239,8 @@ def test_mixed_precision_with_3_and_6_bit_layers_is_what_compressed_tensors_read
     g = torch.Generator().manual_seed(2)
     ids = [torch.randint(0, 320, (40,), generator=g).tolist() for _ in range(8)]  # GPTQ: 2 x 128 tokens at least
     out = str(tmp_path / "mixed36")
-    cfg = QuantConfig(scheme="mixed", bits_budget=4.6, mixed_bits=[3, 6], method="gptq", dtype="float32")
+    cfg = QuantConfig(scheme="mixed", bits_budget=4.6, mixed_bits=[3, 6], mixed_group_sizes=[32, 64, 128],
+                      method="gptq", dtype="float32")
     with caplog.at_level("WARNING", logger="quantpipe.quantize"):
         mp = quantize(src, cfg, None, out, calib_token_ids=ids).manifest["mixed_precision"]
     assert "chose 3/6-bit layers: quantpipe serves them, vLLM's compressed-tensors weight-only path takes 4 and 8 " \
