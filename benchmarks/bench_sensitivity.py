@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from quantpipe.quantize import mixed
+from quantpipe.quantize import QuantConfig, mixed
 from quantpipe.runtime.model.config import fused_linears
 from quantpipe.runtime.model.loader import load_model
 from quantpipe.runtime.workload.text import corpus_text
@@ -38,7 +38,7 @@ def main() -> None:
     names = [f"layers.{i}.{n}" for i in layers for n, _ in fused_linears(cfg, i)]
     ids = tok.encode(corpus_text()[:200000])
     probe = [ids[i * 128:(i + 1) * 128] for i in range(4)]
-    schemes = [c for c in mixed.candidates(64) if c]
+    schemes = QuantConfig(scheme="mixed", bits_budget=5, group_size=64).mixed_candidates()
     current = mixed.kl_rows
     times: dict[str, list[float]] = {"float64 log-softmax": [], "float32 passes": []}
     tables = {}

@@ -227,6 +227,9 @@ def read_quantized(state: dict[str, torch.Tensor], qcfg: dict, module: str) -> Q
         if zero is None:
             raise ValueError(f"{p}weight_zero_point is missing for an asymmetric layer")
         if zero.dtype == torch.int32 and fmt == "pack-quantized":
+            if tuple(zero.shape) != (packed_words(bits, n), groups):
+                raise ValueError(f"{p}weight_zero_point has shape {tuple(zero.shape)}; expected int32 "
+                                 f"[{packed_words(bits, n)}, {groups}] for {bits}-bit zero points of {n} rows")
             zero = unpack_int32(zero, bits, n, dim=0)
         if tuple(zero.shape) != (n, groups):
             raise ValueError(f"{p}weight_zero_point has shape {tuple(zero.shape)}; expected [{n}, {groups}]")

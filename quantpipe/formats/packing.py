@@ -4,7 +4,7 @@ quantize stage that writes it, the runtime that reads it and the kernels that ch
 Weights quantized to b bits, 1 <= b <= 8 (signed, in [-2^(b-1), 2^(b-1) - 1]), are stored
 with an unsigned offset (q + 2^(b-1)) and packed densely along the input dimension: value i
 of a row occupies bits i*b .. i*b + b - 1 of the row's bit stream, the lowest bits of each
-int32 word first, so a value may straddle two words (3 and 6 bits) and 32 values fill b
+int32 word first, so a value may straddle two words (3, 5, 6, 7 bits) and 32 values fill b
 words: `weight_packed` [N, ceil(K * b / 32)]. For 2, 4 and 8 bits this is 32/b values per
 word, none straddling. Asymmetric zero points are packed the same way along the output
 dimension: `weight_zero_point` [ceil(N * b / 32), G]. Scales are stored as they are,

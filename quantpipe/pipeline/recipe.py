@@ -181,6 +181,8 @@ def default_name(cfg) -> str:
         parts.append(f"{cfg.bits_budget:g}b")
         if cfg.mixed_bits != type(cfg).mixed_bits:
             parts.append("w" + "".join(map(str, cfg.mixed_bits)))
+        if cfg.mixed_group_sizes:
+            parts.append("g" + "-".join(map(str, cfg.mixed_group_sizes)))
     if cfg.group_size:
         parts.append(f"g{cfg.group_size}")
     parts.append(cfg.method)

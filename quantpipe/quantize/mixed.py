@@ -118,6 +118,13 @@ def reusable(recorded: object, key: dict, in_features: dict[str, int],
     return {n: {d: table[n][d] for d in want[n]} for n in want}, ""
 
 
+def cheapest_average(params: dict[str, int], in_features: dict[str, int], schemes: list[WeightScheme | None]) -> float:
+    """Average bits per weight with every layer at its cheapest precision that applies: the least budget."""
+    total = sum(params.values())
+    return sum(min(bits_of(s, in_features[n]) for s in schemes if applies(s, in_features[n])) * params[n]
+               for n in params) / total
+
+
 def assign(params: dict[str, int], in_features: dict[str, int], sens: dict[str, dict[str, float]],
            schemes: list[WeightScheme | None], budget: float, resolution: int = 20000) -> dict[str, WeightScheme | None]:
     """The precision per layer minimizing summed sensitivity with average bits <= budget, each
@@ -129,6 +136,9 @@ def assign(params: dict[str, int], in_features: dict[str, int], sens: dict[str, 
     (210 layers: 1% of what was left over). Solved exactly over those units by dynamic
     programming, one vector pass per layer and precision.
     """
+    bad = [f"{n} {d}" for n, row in sens.items() for d, v in row.items() if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"the sensitivity table holds NaN or infinite entries ({', '.join(bad[:3])})")
     names = list(params)
     total = sum(params.values())
     usable = [[k for k, s in enumerate(schemes) if applies(s, in_features[n])] for n in names]

@@ -603,7 +603,9 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             raise StageError("quantize_lm_head: this model ties lm_head to the embeddings, which stay unquantized")
         names.append("lm_head")
     in_features = [net.get_submodule(n).in_features for n in names]
-    scheme = cfg.weight_scheme(in_features)
+    # mixed over its own group sizes: each layer takes those dividing its input (mixed.applies)
+    per_layer = cfg.scheme == "mixed" and cfg.mixed_group_sizes is not None
+    scheme = WeightScheme(cfg.num_bits, None, cfg.symmetric) if per_layer else cfg.weight_scheme(in_features)
     if scheme.group_size:
         for n, k in zip(names, in_features):
             if k % scheme.group_size:
@@ -669,6 +671,13 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         measured = cfg.mixed_candidates(scheme.group_size)
         cands = [mixed.KEEP, *measured]
         inf = {n: k for n, k in zip(names, in_features)}
+        params = {n: net.get_submodule(n).weight.numel() for n in names}
+        floor = mixed.cheapest_average(params, inf, cands)
+        if cfg.bits_budget < floor:  # before minutes of measuring
+            raise StageError(f"bits_budget {cfg.bits_budget} is below {floor:.4g} bits per weight, the cheapest "
+                             f"assignment with mixed_bits {list(cfg.mixed_bits)} and group sizes "
+                             f"{sorted({s.group_size for s in measured if s.group_size})} where they divide each "
+                             f"layer's input")
         probe = [s[: cfg.sensitivity_tokens] for s in samples[: cfg.sensitivity_samples]]
         key = mixed.measure_key(src_sha, probe, measured)
         sens, reused = None, None
@@ -681,12 +690,10 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
                           "artifact_sha256": earlier.get("artifact_sha256")}
         if sens is None:
             sens = mixed.sensitivities(net, names, measured, probe)
-        params = {n: net.get_submodule(n).weight.numel() for n in names}
         try:
             scheme_map = mixed.assign(params, inf, sens, cands, cfg.bits_budget)
         except ValueError as e:
-            raise StageError(f"bits_budget: {e} with mixed_bits {list(cfg.mixed_bits)} and group sizes that divide "
-                             f"each layer's input") from None
+            raise StageError(f"mixed precision: {e}") from None
         avg = sum(mixed.bits_of(scheme_map[n], inf[n]) * params[n] for n in names) / sum(params.values())
         sensitivity = {"table": sens, "measured_on": key, "reused_from": reused, "bits_budget": cfg.bits_budget,
                        "average_bits": round(avg, 4),

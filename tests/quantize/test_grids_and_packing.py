@@ -404,3 +404,20 @@ def test_w8a8_linear_in_bf16_is_the_float32_function_within_bf16_rounding():
             assert out.dtype == torch.bfloat16
             # The same per-token integers either way; only the output's bf16 rounding differs.
             assert torch.allclose(got, ref, atol=1e-2 * ref.abs().max(), rtol=1e-2), (rows, (got - ref).abs().max())
+
+
+def test_a_packed_zero_point_of_the_wrong_height_names_the_tensor():
+    from quantpipe.formats.artifact import quantized_tensors, read_quantized
+
+    q = torch.randint(-4, 4, (40, 64), dtype=torch.int8)
+    qw = QuantWeight(q, torch.rand(40, 2) + 0.1, torch.randint(-4, 4, (40, 2)).float(), 3, 32)
+    state = quantized_tensors("m", qw, "pack-quantized", torch.float32)
+    assert state["m.weight_zero_point"].shape == (4, 2)  # 40 3-bit rows: 120 bits, 4 words
+    qcfg = {"format": "pack-quantized", "config_groups": {"g": {"targets": ["re:^m$"], "weights": {
+        "num_bits": 3, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}}
+    back = read_quantized(dict(state), qcfg, "m")
+    assert torch.equal(back.q, q) and torch.equal(back.zero, qw.zero)
+    state["m.weight_zero_point"] = state["m.weight_zero_point"][:3]
+    with pytest.raises(ValueError, match=r"m.weight_zero_point has shape \(3, 2\); expected int32 \[4, 2\] for "
+                                         r"3-bit zero points of 40 rows"):
+        read_quantized(state, qcfg, "m")

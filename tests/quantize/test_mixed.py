@@ -137,3 +137,11 @@ def test_assignment_is_the_best_within_the_budget_and_fits_at_the_cheapest_avera
     assert all(s is not None and s.num_bits in (3, 4) for s in mixed.assign(params, inf, sens, cands, cheapest).values())
     with pytest.raises(ValueError, match=r"no assignment fits 3.0 bits per weight \(the cheapest takes 3.25\)"):
         mixed.assign(params, inf, sens, cands, 3.0)
+
+
+def test_a_table_with_nan_is_refused_not_read_as_bf16():
+    cands = [None, WeightScheme(4, 64, True)]
+    sens = {"a": {"W4 g64 sym": float("nan")}, "b": {"W4 g64 sym": 0.1}}
+    for budget in (4.25, 16):  # none fits / bf16 fits: refused either way, never a silent bf16
+        with pytest.raises(ValueError, match=r"NaN or infinite entries \(a W4 g64 sym\)"):
+            mixed.assign({"a": 100, "b": 100}, {"a": 64, "b": 64}, sens, cands, budget)
