@@ -51,7 +51,8 @@ def weight_case(qw) -> tuple[str, str, str | None]:
     """A QuantWeight's (case key, kernel, reason it has none or None). Weights of fewer bits
     are the case of the width that holds them (`container_bits`: W3 is a W4A16 case)."""
     n, k = qw.q.shape
-    scheme = scheme_name(container_bits(qw.num_bits) if qw.act_bits is None else qw.num_bits, qw.act_bits)
+    bits = qw.num_bits if qw.act_bits is not None else container_bits(qw.num_bits)
+    scheme = scheme_name(bits, qw.act_bits)
     if qw.act_bits is not None:
         kernel = "w8a8_gemm"
         reason = None if (qw.num_bits, qw.group_size, qw.zero) == (8, None, None) else \
@@ -60,7 +61,7 @@ def weight_case(qw) -> tuple[str, str, str | None]:
             f"per-channel symmetric ones)"
     else:
         kernel = "mixed_gemm"
-        reason = unsupported_reason(container_bits(qw.num_bits), qw.group_size, k)
+        reason = unsupported_reason(bits, qw.group_size, k)
     return case_key(kernel, scheme, qw.group_size, qw.zero is None, n, k), kernel, reason
 
 

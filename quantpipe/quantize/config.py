@@ -231,7 +231,11 @@ class QuantConfig:
         return 4 if self.scheme in ("W4A16", "mixed") else 8
 
     def weight_scheme(self, in_features: list[int]) -> WeightScheme:
-        """The grid for this model: the group size resolved against every layer's input size."""
+        """The grid for this model: the group size resolved against every layer's input size.
+        Scheme mixed over its own mixed_group_sizes has none: each layer takes the sizes that
+        divide its input (mixed.applies)."""
+        if self.scheme == "mixed" and self.mixed_group_sizes is not None:
+            return WeightScheme(self.num_bits, None, self.symmetric)
         gs = self.group_size
         if self.num_bits == 4 and gs is None:
             gs = next((g for g in (128, 64, 32) if all(k % g == 0 for k in in_features)), None)

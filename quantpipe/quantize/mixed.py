@@ -118,11 +118,14 @@ def reusable(recorded: object, key: dict, in_features: dict[str, int],
     return {n: {d: table[n][d] for d in want[n]} for n in want}, ""
 
 
-def cheapest_average(params: dict[str, int], in_features: dict[str, int], schemes: list[WeightScheme | None]) -> float:
-    """Average bits per weight with every layer at its cheapest precision that applies: the least budget."""
-    total = sum(params.values())
-    return sum(min(bits_of(s, in_features[n]) for s in schemes if applies(s, in_features[n])) * params[n]
-               for n in params) / total
+def cheapest(in_features: dict[str, int], schemes: list[WeightScheme | None]) -> dict[str, WeightScheme | None]:
+    """Each layer's cheapest precision among `schemes` that applies to it: the least budget's assignment."""
+    return {n: min((s for s in schemes if applies(s, k)), key=lambda s: bits_of(s, k)) for n, k in in_features.items()}
+
+
+def average_bits(params: dict[str, int], in_features: dict[str, int], chosen: dict[str, WeightScheme | None]) -> float:
+    """Average bits per weight of an assignment, scales and zero points counted."""
+    return sum(bits_of(chosen[n], in_features[n]) * p for n, p in params.items()) / sum(params.values())
 
 
 def assign(params: dict[str, int], in_features: dict[str, int], sens: dict[str, dict[str, float]],
@@ -142,10 +145,12 @@ def assign(params: dict[str, int], in_features: dict[str, int], sens: dict[str, 
     names = list(params)
     total = sum(params.values())
     usable = [[k for k, s in enumerate(schemes) if applies(s, in_features[n])] for n in names]
-    base = [min(bits_of(schemes[k], in_features[n]) for k in ks) * params[n] for n, ks in zip(names, usable)]
+    floor = cheapest(in_features, schemes)
+    base = [bits_of(floor[n], in_features[n]) * params[n] for n in names]
     spare = budget * total - sum(base)
     if spare < -1e-6 * total:
-        raise ValueError(f"no assignment fits {budget} bits per weight (the cheapest takes {sum(base) / total:.4g})")
+        raise ValueError(f"no assignment fits {budget} bits per weight (the cheapest takes "
+                         f"{average_bits(params, in_features, floor):.4g})")
     unit = max(spare, 1e-9) / resolution
     inf = float("inf")
     best = torch.full((resolution + 1,), inf, dtype=torch.float64)

@@ -603,9 +603,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             raise StageError("quantize_lm_head: this model ties lm_head to the embeddings, which stay unquantized")
         names.append("lm_head")
     in_features = [net.get_submodule(n).in_features for n in names]
-    # mixed over its own group sizes: each layer takes those dividing its input (mixed.applies)
-    per_layer = cfg.scheme == "mixed" and cfg.mixed_group_sizes is not None
-    scheme = WeightScheme(cfg.num_bits, None, cfg.symmetric) if per_layer else cfg.weight_scheme(in_features)
+    scheme = cfg.weight_scheme(in_features)
     if scheme.group_size:
         for n, k in zip(names, in_features):
             if k % scheme.group_size:
@@ -672,7 +670,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
         cands = [mixed.KEEP, *measured]
         inf = {n: k for n, k in zip(names, in_features)}
         params = {n: net.get_submodule(n).weight.numel() for n in names}
-        floor = mixed.cheapest_average(params, inf, cands)
+        floor = mixed.average_bits(params, inf, mixed.cheapest(inf, cands))
         if cfg.bits_budget < floor:  # before minutes of measuring
             raise StageError(f"bits_budget {cfg.bits_budget} is below {floor:.4g} bits per weight, the cheapest "
                              f"assignment with mixed_bits {list(cfg.mixed_bits)} and group sizes "
@@ -694,7 +692,7 @@ def quantize(model: str | None, cfg: QuantConfig, calib: str | None, out: str, o
             scheme_map = mixed.assign(params, inf, sens, cands, cfg.bits_budget)
         except ValueError as e:
             raise StageError(f"mixed precision: {e}") from None
-        avg = sum(mixed.bits_of(scheme_map[n], inf[n]) * params[n] for n in names) / sum(params.values())
+        avg = mixed.average_bits(params, inf, scheme_map)
         sensitivity = {"table": sens, "measured_on": key, "reused_from": reused, "bits_budget": cfg.bits_budget,
                        "average_bits": round(avg, 4),
                        "chosen": {n: (s.describe() if s else "bf16") for n, s in scheme_map.items()}}

@@ -266,13 +266,13 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,
         return W8A8Linear  # activations must be quantized too: the same function on every path
     if device.type != "cpu":
         return DequantLinear  # CUDA: the Triton kernels of quantpipe.kernels, once built
-    bits = container_bits(qw.num_bits)
     if dtype == torch.float32:
         if k % 32 == 0 and packed_kernel(kernels) is not None:
             return PackedLinear
         return DequantLinear
     if dtype != torch.bfloat16:
         return DequantLinear
+    bits = container_bits(qw.num_bits)
     if bits == 8 and qw.group_size is None:
         return Int8PackLinear
     if bits == 4 and qw.group_size in INT4_GROUPS and k % qw.group_size == 0 and n % 16 == 0:
