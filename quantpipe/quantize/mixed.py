@@ -27,9 +27,10 @@ import torch
 from quantpipe.manifest import sha256_bytes
 from quantpipe.quantize.rtn import WeightScheme, dequantize, rtn
 from quantpipe.runtime.model.divergence import kl_rows
-from quantpipe.runtime.model.forward import SequencePass
+from quantpipe.runtime.model.forward import SequenceBatch, SequencePass
 
 KEEP = None  # "stay in the model dtype"
+LOGITS_BYTES = 256 * 2**20  # the most float32 logits `sensitivities` holds at once
 # Names how `sensitivities` measures; changed with it, so a table measured otherwise is never reused.
 MEASURE = "kl(base || one layer rtn), float32 passes, v2"
 
@@ -48,15 +49,22 @@ def bits_of(scheme: WeightScheme | None, in_features: int) -> float:
 
 
 @torch.inference_mode()
-def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples: list[list[int]]):
+def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples: list[list[int]],
+                  max_rows: int = 4096):
     """{name: {scheme.describe(): mean KL}} with every other layer unquantized, for each of
     `schemes` that applies to the layer.
 
     The unquantized model's hidden state entering every decoder layer is kept per sample,
     so measuring a Linear of layer i reruns layers i.. only: half a forward pass on
-    average instead of a whole one, with the same numbers. KL is taken in float32 passes
-    over the vocabulary (`divergence.kl_rows`), not a float64 log-softmax: on Gemma 3's
-    262,144 entries that pass had cost as much as the lm_head matmul itself.
+    average instead of a whole one, with the same numbers. Only layer i itself needs the
+    quantized weights; the layers after it are the unquantized model's, so they run once
+    for all of the layer's precisions and samples together (`SequenceBatch`, up to
+    `max_rows` tokens per call): each weight is read once per call rather than once per
+    precision and sample, and every row is what its own sequence's pass computes (each
+    sequence is a causal span of its own, and the passes are float32, whose row results do
+    not depend on the other rows). KL is taken in float32 passes over the vocabulary
+    (`divergence.kl_rows`), not a float64 log-softmax: on Gemma 3's 262,144 entries that
+    pass had cost as much as the lm_head matmul itself.
     """
     passes = [SequencePass(model, ids) for ids in samples]
     entering, ref = [], []  # entering[s][i]: sample s's hidden state before layer i (the last: after all)
@@ -73,19 +81,50 @@ def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples:
         start = len(model.layers) if name == "lm_head" else int(name.split(".")[1])
         mod = model.get_submodule(name)
         original = mod.weight.detach().clone()
-        out[name] = {}
-        for sch in (s for s in schemes if applies(s, original.shape[1])):
+        measured = [s for s in schemes if applies(s, original.shape[1])]
+        kl = dict.fromkeys((s.describe() for s in measured), 0.0)
+        after = []  # (precision, sample, hidden state after layer `start`)
+        for sch in measured:
             q, scale, zero = rtn(original, sch)
             mod.weight.copy_(dequantize(q, scale, zero, sch).to(original.dtype))
-            kl = 0.0
-            for p, states, lr in zip(passes, entering, ref):
-                x = states[start]
-                for i in range(start, len(model.layers)):
-                    x = p.layer(i, x)
-                kl += float(kl_rows(lr, p.logits(x)).mean())
-            out[name][sch.describe()] = kl / len(samples)
+            for s, (p, states) in enumerate(zip(passes, entering)):
+                if start == len(model.layers):  # lm_head: the logits themselves
+                    kl[sch.describe()] += float(kl_rows(ref[s], p.logits(states[start])).mean())
+                else:
+                    after.append((sch.describe(), s, p.layer(start, states[start])))
         mod.weight.copy_(original)
+        for chunk in _chunks(after, max_rows):
+            for (d, s, _), logits in zip(chunk, _rest_logits(model, start + 1, samples, chunk)):
+                kl[d] += float(kl_rows(ref[s], logits).mean())
+        out[name] = {d: v / len(samples) for d, v in kl.items()}
     return out
+
+
+def _chunks(rows: list, max_rows: int, len_of=lambda row: row[2].shape[0]) -> list[list]:
+    """`rows` in order, in runs of at most max_rows tokens (a longer sequence alone)."""
+    out, tokens = [[]], 0
+    for row in rows:
+        n = len_of(row)
+        if out[-1] and tokens + n > max_rows:
+            out.append([])
+            tokens = 0
+        out[-1].append(row)
+        tokens += n
+    return out if out[0] else []
+
+
+def _rest_logits(model, first: int, samples: list[list[int]], chunk: list[tuple]):
+    """Each row's logits after layers first.. of the unquantized model, in order: one call per
+    layer for the whole chunk, and lm_head over as many whole sequences as fit in
+    `LOGITS_BYTES` (one sequence at least)."""
+    batch = SequenceBatch(model, [samples[s] for _, s, _ in chunk])
+    x = torch.cat([x for _, _, x in chunk])
+    for i in range(first, len(model.layers)):
+        x = batch.layer(i, x)
+    lengths = [h.shape[0] for _, _, h in chunk]
+    fit = max(1, LOGITS_BYTES // (4 * model.lm_head.weight.shape[0]))  # rows of float32 logits
+    for group in _chunks(list(zip(lengths, x.split(lengths))), fit, len_of=lambda row: row[0]):
+        yield from model.lm_head(model.norm(torch.cat([h for _, h in group]))).float().split([n for n, _ in group])
 
 
 def measure_key(source_sha256: str, probe: list[list[int]], schemes: list[WeightScheme]) -> dict:
