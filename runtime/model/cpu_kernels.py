@@ -17,7 +17,8 @@ CPU_KERNELS = {
     "prepack": "bf16 Linear weights prepacked for oneDNN on AVX-512 BF16 CPUs (torch: F.linear)",
     "blocked-gemm": "float32 wide Linear layers in row blocks at few rows (torch: one F.linear)",
     "int8": "W8A16 and W8A8 bf16 decode kernel (torch: _weight_int8pack_mm; W8A8 holds bf16 weights and takes F.linear)",
-    "packed": "float32 serving of W8/W4 weights kept packed (torch: weights dequantized at load)",
+    "packed": "float32 serving of W8/W4 weights kept packed, and bf16 serving of W5-W8 by group "
+              "(torch: weights dequantized at load)",
 }
 
 

@@ -147,7 +147,10 @@ class PackedLinear(nn.Module):
     """W8 or W4 weights at their packed size for a float32 model on CPU (csrc/packed_linear.cpp).
 
     The kernel widens the integers to float32 and applies w = (u - zero) * scale per group
-    before multiplying: the same product as `dequant`'s weights, without holding them.
+    before multiplying: the same product as `dequant`'s weights, without holding them. A
+    bf16 model uses it for 5- to 8-bit weights by group, which torch has no bf16 kernel for:
+    its activations are widened to float32 and the product rounded back to bf16, so the
+    weights stay at one byte each instead of being dequantized to two.
     """
 
     kernel = "packed-f32"
@@ -175,9 +178,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self.ext.packed_linear_f32(x.reshape(-1, shape[-1]), self.weight_packed, self.bits, self.scales,
+        y = self.ext.packed_linear_f32(x.reshape(-1, shape[-1]).float(), self.weight_packed, self.bits, self.scales,
                                        self.zeros)
-        y = y.reshape(*shape[:-1], self.out_features)
+        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -277,6 +280,8 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,
         return Int8PackLinear
     if bits == 4 and qw.group_size in INT4_GROUPS and k % qw.group_size == 0 and n % 16 == 0:
         return Int4PackLinear
+    if bits == 8 and k % 32 == 0 and packed_kernel(kernels) is not None:
+        return PackedLinear  # by group: float32 products of one-byte weights (PackedLinear's text)
     return DequantLinear
 
 

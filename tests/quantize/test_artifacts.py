@@ -52,7 +52,7 @@ SCHEMES = {
     "w4-g64-asym": (QuantConfig(scheme="W4A16", group_size=64, symmetric=False, dtype="float32"), "int4pack"),
     "w8-channel": (QuantConfig(scheme="W8A16", dtype="float32"), "int8pack"),
     "w8-channel-asym": (QuantConfig(scheme="W8A16", symmetric=False, dtype="float32"), "int8pack"),
-    "w8-g32-asym": (QuantConfig(scheme="W8A16", group_size=32, symmetric=False, dtype="float32"), "dequant"),
+    "w8-g32-asym": (QuantConfig(scheme="W8A16", group_size=32, symmetric=False, dtype="float32"), "packed-f32"),
 }
 
 

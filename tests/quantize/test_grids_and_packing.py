@@ -346,10 +346,11 @@ def test_packed_linear_is_the_dequantized_product_on_each_of_its_paths(bits, gro
 
 
 @pytest.mark.parametrize("bits, group, symmetric, kernel", [(3, 64, True, "int4pack"), (2, 32, False, "int4pack"),
-                                                            (6, None, True, "int8pack"), (6, 64, True, "dequant")])
+                                                            (6, None, True, "int8pack"), (6, 64, True, "packed-f32")])
 def test_fewer_bits_take_the_next_wider_kernel_in_bf16_exactly(bits, group, symmetric, kernel):
     """W2/W3 run torch's int4 kernel and W6 per channel the int8 one, computing exactly what the
-    same integers declared as W4 / W8 compute; W6 by group has no kernel and is dequantized."""
+    same integers declared as W4 / W8 compute; W6 by group, which torch has no bf16 kernel
+    for, runs the packed float32 kernel as W8 by group does."""
     from quantpipe.runtime.model.quantized import container_bits, kernel_for
 
     g = torch.Generator().manual_seed(bits)
@@ -371,12 +372,15 @@ def test_fewer_bits_take_the_next_wider_kernel_in_bf16_exactly(bits, group, symm
     assert torch.allclose(got.float(), ref, atol=0.02 * ref.abs().max(), rtol=0.02)
 
 
-def test_packed_kernel_off_leaves_float32_models_dequantized():
+def test_packed_kernel_off_leaves_its_layers_dequantized():
     from quantpipe.runtime.model.cpu_kernels import CpuKernels
     from quantpipe.runtime.model.quantized import kernel_for
 
     qw = QuantWeight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 8, None)
     assert kernel_for(qw, torch.device("cpu"), torch.float32, CpuKernels.parse("packed")).kernel == "dequant"
+    grouped = QuantWeight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2), None, 8, 32)
+    assert kernel_for(grouped, torch.device("cpu"), torch.bfloat16).kernel == "packed-f32"
+    assert kernel_for(grouped, torch.device("cpu"), torch.bfloat16, CpuKernels.parse("packed")).kernel == "dequant"
 
 
 def test_w8a8_linear_in_bf16_is_the_float32_function_within_bf16_rounding():
