@@ -20,12 +20,13 @@ W5 to W7 the 8-bit ones.
 - `packed-f32`: float32 models on CPU (where the CPU has no native bf16), W8 per channel or
   by group and W4 by group, K a multiple of 32 -> quantpipe's CPU kernel
   (csrc/packed_linear.cpp): the weights stay at their packed size and are widened in
-  cache-sized tiles where they are multiplied, at every row count
+  cache-sized tiles where they are multiplied, at every row count; bf16 models too for
+  W5-W8 by group (activations widened to float32, the product rounded back)
 - `w8a8`: INT8 weights and per-token INT8 activations (W8A8); on CPU its integer weights
   stay int8 and go through the packed kernel (float32) or the int8 kernel (bf16, decode rows)
 - `triton-mixed` / `triton-w8a8` (CUDA): the Triton kernels of quantpipe.kernels with the
   configs `quantpipe kernels build` chose and recorded in the artifact's kernels.json
-- `dequant`: anything else (bf16 with other group sizes or W5-W8 by group, CUDA without a
+- `dequant`: anything else (bf16 with W2-W4 group sizes int4pack lacks, CUDA without a
   kernels.json built for the device, no C++ compiler): weights dequantized once to the
   model dtype, then plain F.linear.
 
