@@ -93,24 +93,23 @@ def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples:
                 else:
                     after.append((sch.describe(), s, p.layer(start, states[start])))
         mod.weight.copy_(original)
-        for chunk in _chunks(after, max_rows):
+        for run in _runs([h.shape[0] for _, _, h in after], max_rows):
+            chunk = after[run]
             for (d, s, _), logits in zip(chunk, _rest_logits(model, start + 1, samples, chunk)):
                 kl[d] += float(kl_rows(ref[s], logits).mean())
         out[name] = {d: v / len(samples) for d, v in kl.items()}
     return out
 
 
-def _chunks(rows: list, max_rows: int, len_of=lambda row: row[2].shape[0]) -> list[list]:
-    """`rows` in order, in runs of at most max_rows tokens (a longer sequence alone)."""
-    out, tokens = [[]], 0
-    for row in rows:
-        n = len_of(row)
-        if out[-1] and tokens + n > max_rows:
-            out.append([])
-            tokens = 0
-        out[-1].append(row)
-        tokens += n
-    return out if out[0] else []
+def _runs(lengths: list[int], limit: int) -> list[slice]:
+    """Consecutive runs of `lengths`, in order, each summing to at most `limit` (a longer one alone)."""
+    runs, first, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > first and total + n > limit:
+            runs.append(slice(first, i))
+            first, total = i, 0
+        total += n
+    return runs + [slice(first, len(lengths))] if lengths else runs
 
 
 def _rest_logits(model, first: int, samples: list[list[int]], chunk: list[tuple]):
@@ -122,9 +121,10 @@ def _rest_logits(model, first: int, samples: list[list[int]], chunk: list[tuple]
     for i in range(first, len(model.layers)):
         x = batch.layer(i, x)
     lengths = [h.shape[0] for _, _, h in chunk]
+    parts = x.split(lengths)
     fit = max(1, LOGITS_BYTES // (4 * model.lm_head.weight.shape[0]))  # rows of float32 logits
-    for group in _chunks(list(zip(lengths, x.split(lengths))), fit, len_of=lambda row: row[0]):
-        yield from model.lm_head(model.norm(torch.cat([h for _, h in group]))).float().split([n for n, _ in group])
+    for run in _runs(lengths, fit):
+        yield from model.lm_head(model.norm(torch.cat(parts[run]))).float().split(lengths[run])
 
 
 def measure_key(source_sha256: str, probe: list[list[int]], schemes: list[WeightScheme]) -> dict:

@@ -70,8 +70,9 @@ def int8_kernel(kernels: CpuKernels = ALL_ON):
 
 
 def packed_kernel(kernels: CpuKernels = ALL_ON):
-    """The compiled CPU module whose packed_linear_f32 serves float32 models, or None (no
-    compiler, or the `packed` CPU kernel turned off: then float32 models take `dequant`)."""
+    """The compiled CPU module whose packed_linear_f32 serves float32 models and the
+    W5-W8-by-group layers of bf16 ones, or None (no compiler, or the `packed` CPU kernel
+    turned off: then those layers take `dequant`)."""
     if not kernels.enabled("packed"):
         return None
     from quantpipe.runtime.model.cpu_attention import extension
@@ -270,10 +271,9 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,
         return W8A8Linear  # activations must be quantized too: the same function on every path
     if device.type != "cpu":
         return DequantLinear  # CUDA: the Triton kernels of quantpipe.kernels, once built
+    packable = k % 32 == 0 and packed_kernel(kernels) is not None  # what PackedLinear needs
     if dtype == torch.float32:
-        if k % 32 == 0 and packed_kernel(kernels) is not None:
-            return PackedLinear
-        return DequantLinear
+        return PackedLinear if packable else DequantLinear
     if dtype != torch.bfloat16:
         return DequantLinear
     bits = container_bits(qw.num_bits)
@@ -281,7 +281,7 @@ def kernel_for(qw: QuantWeight, device: torch.device, dtype: torch.dtype,
         return Int8PackLinear
     if bits == 4 and qw.group_size in INT4_GROUPS and k % qw.group_size == 0 and n % 16 == 0:
         return Int4PackLinear
-    if bits == 8 and k % 32 == 0 and packed_kernel(kernels) is not None:
+    if bits == 8 and packable:
         return PackedLinear  # by group: float32 products of one-byte weights (PackedLinear's text)
     return DequantLinear
 
