@@ -8,8 +8,9 @@ prompt, greedy and short, to both sides and compares the completions. Twice a se
 the canary policy (evals/gates/canary.yaml) is judged on the candidate's numbers
 against the champion's: a breach stops routing to the candidate at once (the champion
 stays champion: that is the rollback), and the decision with its numbers is written to
-the candidate's version tags. If the window ends with every rule judged and passed, the
-candidate is promoted to champion; too little traffic to judge promotes nothing.
+the candidate's version tags. If the window ends (at --duration, or once every rule stands
+on --until-samples observations) with every rule judged and passed, the candidate is
+promoted to champion; too little traffic to judge promotes nothing.
 """
 
 from __future__ import annotations
@@ -112,18 +113,32 @@ class Canary:
         return "candidate" if bucket < self.fraction else "champion"
 
     # -- live metrics ------------------------------------------------------------
-    def metrics(self) -> dict:
+    def observations(self) -> dict[str, int]:
+        """How many observations each metric stands on: a latency ratio on the fewer of the
+        two sides' requests, the rates on the candidate's requests, the agreement on the
+        mirrored pairs."""
         c, b = self.stats["candidate"], self.stats["champion"]
-        n = self.policy.min_samples
+        return {"ttft_p99_ratio": min(len(c.ttft), len(b.ttft)), "tpot_p99_ratio": min(len(c.tpot), len(b.tpot)),
+                "error_rate": c.requests, "timeout_rate": c.requests, "greedy_agreement": len(self.agreement)}
+
+    def metrics(self) -> dict:
+        """Each metric's value once it has `min_samples` observations, else None."""
+        c, b = self.stats["candidate"], self.stats["champion"]
+        enough = {k: n >= self.policy.min_samples for k, n in self.observations().items()}
         out: dict = {"candidate_requests": c.requests, "champion_requests": b.requests,
                      "mirrored": len(self.agreement)}
         for key, attr in (("ttft_p99_ratio", "ttft"), ("tpot_p99_ratio", "tpot")):
             cv, bv = getattr(c, attr), getattr(b, attr)
-            out[key] = _p99(cv) / _p99(bv) if len(cv) >= n and len(bv) >= n and _p99(bv) > 0 else None
-        out["error_rate"] = c.errors / c.requests if c.requests >= n else None
-        out["timeout_rate"] = c.timeouts / c.requests if c.requests >= n else None
-        out["greedy_agreement"] = sum(self.agreement) / len(self.agreement) if len(self.agreement) >= n else None
+            out[key] = _p99(cv) / _p99(bv) if enough[key] and _p99(bv) > 0 else None
+        out["error_rate"] = c.errors / c.requests if enough["error_rate"] else None
+        out["timeout_rate"] = c.timeouts / c.requests if enough["timeout_rate"] else None
+        out["greedy_agreement"] = sum(self.agreement) / len(self.agreement) if enough["greedy_agreement"] else None
         return out
+
+    def observed(self, samples: int) -> bool:
+        """Whether every rule's metric has at least `samples` observations."""
+        counts = self.observations()
+        return all(counts[r.metric] >= samples for r in self.policy.rules)
 
     def judge(self) -> tuple[list[dict], dict]:
         m = self.metrics()
@@ -319,12 +334,19 @@ def _record(client, name: str, version: str, decision: str, reason: str, detail:
 
 def run_canary(name: str, registry_uri: str, fraction: float, duration_s: float, policy_path: str | None = None,
                host: str = "127.0.0.1", port: int = 8000, mirror_fraction: float = 0.25, mirror_tokens: int = 8,
-               request_timeout_s: float = 60.0, server_args: list[str] | None = None) -> dict:
-    """Serve the canary for `duration_s`; returns the decision (promoted, rolled_back, inconclusive)."""
+               request_timeout_s: float = 60.0, server_args: list[str] | None = None,
+               until_samples: int | None = None) -> dict:
+    """Serve the canary for `duration_s`, or until every rule's metric has `until_samples`
+    observations if that comes first; returns the decision (promoted, rolled_back,
+    inconclusive)."""
     from quantpipe.registry.publish import _alias_version, _client, resolve_model_uri
     from quantpipe.runtime.server.process import Served, ServerStartError, split_cpus
 
     policy = load_canary_policy(policy_path)
+    if until_samples is not None and (isinstance(until_samples, bool) or not isinstance(until_samples, int)
+                                      or until_samples < policy.min_samples):
+        raise StageError(f"--until-samples must be an integer >= the policy's min_samples ({policy.min_samples}, "
+                         f"{policy.path}); got {until_samples!r}")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     client = _client(registry_uri)
     versions = {s: _alias_version(client, name, s) for s in SIDES}
@@ -352,7 +374,7 @@ def run_canary(name: str, registry_uri: str, fraction: float, duration_s: float,
                 log.info("canary: CPUs %s serve the champion, %s the candidate",
                          _cpu_list(cpus["champion"]), _cpu_list(cpus["candidate"]))
             outcome = asyncio.run(_serve(canary, client, name, versions["candidate"], registry_uri, duration_s,
-                                         host, port))
+                                         host, port, until_samples))
     except ServerStartError as e:
         raise StageError(str(e)) from None
     if not outcome:
@@ -381,7 +403,7 @@ def _sigterm_as_exit():
 
 
 async def _serve(canary: Canary, client, name: str, version: str, registry_uri: str, duration_s: float,
-                 host: str, port: int) -> dict:
+                 host: str, port: int, until_samples: int | None = None) -> dict:
     import uvicorn
 
     from quantpipe.registry.publish import promote
@@ -393,20 +415,32 @@ async def _serve(canary: Canary, client, name: str, version: str, registry_uri: 
         await asyncio.to_thread(_record, client, name, version, decision, reason, detail)
         outcome.update(decision=decision, reason=reason, **detail)
 
+    def window_ended() -> bool:
+        """At --duration; or, before any breach, once every rule stands on --until-samples
+        observations (a breach keeps the champion serving until --duration)."""
+        return time.monotonic() - canary.started >= duration_s or (
+            until_samples is not None and not outcome and canary.observed(until_samples))
+
     async def decide() -> None:
-        while time.monotonic() - canary.started < duration_s and not server.should_exit:
+        ended = False
+        while not server.should_exit:
             breach = canary.check()
             if breach and not outcome:  # the rollback: the champion serves everything from now on
                 await record("rolled_back", "breached " + ", ".join(breach["failed"]), breach)
+            if ended := window_ended():
+                break
             await asyncio.sleep(0.5)
-        if not outcome and time.monotonic() - canary.started >= duration_s:
+        if not outcome and ended:
             rows, m = canary.judge()
             pending = [r["rule"] for r in rows if r["result"] == "not_yet"]
             if pending:
                 await record("inconclusive", "not enough traffic to judge " + ", ".join(pending),
                              {"rules": rows, "metrics": m})
             else:
-                reason = f"canary passed policy {canary.policy.name} over {duration_s:g} s"
+                elapsed = time.monotonic() - canary.started
+                reason = f"canary passed policy {canary.policy.name} over {elapsed:.0f} s"
+                if until_samples is not None and elapsed < duration_s:
+                    reason += f": every rule had {until_samples} observations before the {duration_s:g} s window ended"
                 await asyncio.to_thread(promote, name, version, registry_uri, reason)
                 await record("promoted", reason, {"rules": rows, "metrics": m})
         server.should_exit = True

@@ -84,6 +84,9 @@ EXIT_INCONCLUSIVE = 3  # distinct from 2, which click and every quantpipe comman
 @click.argument("name")
 @click.option("--fraction", type=float, default=0.1, show_default=True, help="share of conversations to the candidate")
 @click.option("--duration", default="10m", show_default=True, help="the window: 90s, 10m, 1h")
+@click.option("--until-samples", type=int, default=None,
+              help="end the window early once every rule's metric has this many observations (at least the "
+                   "policy's min_samples)  [default: the whole --duration]")
 @click.option("--policy", default=None, help="canary policy  [default: evals/gates/canary.yaml]")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
@@ -94,15 +97,15 @@ EXIT_INCONCLUSIVE = 3  # distinct from 2, which click and every quantpipe comman
 @click.option("--server-arg", "server_args", multiple=True,
               help="passed to both `quantpipe serve` processes, e.g. --server-arg=--max-num-seqs=8")
 @registry_option
-def canary_command(name, fraction, duration, policy, host, port, mirror_fraction, mirror_tokens, request_timeout,
-                   server_args, registry_uri) -> int:
+def canary_command(name, fraction, duration, until_samples, policy, host, port, mirror_fraction, mirror_tokens,
+                   request_timeout, server_args, registry_uri) -> int:
     import json
 
     from quantpipe.registry.canary import parse_duration, run_canary
 
     try:
         r = run_canary(name, _uri(registry_uri), fraction, parse_duration(duration), policy, host, port,
-                       mirror_fraction, mirror_tokens, request_timeout, list(server_args))
+                       mirror_fraction, mirror_tokens, request_timeout, list(server_args), until_samples)
     except StageError as e:
         click.echo(f"quantpipe canary: {e}", err=True)
         return 2

@@ -133,10 +133,10 @@ class Traffic:
             assert "connection" not in log[:tail], (k, log)
 
 
-def _canary(registry: str, name: str, port: int, policy: Path, duration: str) -> subprocess.Popen:
+def _canary(registry: str, name: str, port: int, policy: Path, duration: str, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "quantpipe", "canary", name, "--registry-uri", registry, "--fraction", "0.5",
-         "--duration", duration, "--policy", str(policy), "--port", str(port), "--mirror-fraction", "1.0",
+         "--duration", duration, "--policy", str(policy), "--port", str(port), "--mirror-fraction", "1.0", *extra,
          # float32 on every CPU: dtype auto serves bf16 where the CPU has AVX-512 BF16, and
          # bf16 greedy output depends on batch composition, so identical weights on the two
          # sides would not give identical mirrored completions there.
@@ -169,6 +169,11 @@ def registry(tmp_path_factory, w8a16_artifact):
     return uri, folder
 
 
+# The healthy canary's window: it ends once every rule has this many observations (24
+# mirrored pairs: two flipped near-ties still leave the agreement above 0.9).
+UNTIL = 24
+
+
 def _policy(tmp_path: Path) -> Path:
     # The default canary policy's rules, judged after fewer samples (a short test window).
     doc = load_canary_policy()
@@ -186,15 +191,16 @@ def test_healthy_candidate_is_promoted(registry, w8a16_artifact, tmp_path):
     healthy = shutil.copytree(w8a16_artifact, tmp_path / "w8-again")
     v = publish(str(healthy), verdict_for(str(healthy), tmp_path / "r"), "smol", uri)["version"]
     port = _free_port()
-    # 60 s: a 40 s window once ended inconclusive (exit 3, too few samples for a rule) on
-    # a loaded 2-core machine, and so did a 60 s one while both servers' thread pools
-    # spanned both cores (7 mirrored pairs in 60 s here; 54 since each side has its own).
-    proc = _canary(uri, "smol", port, _policy(tmp_path), "60s")
+    # The window ends once every rule stands on UNTIL observations, however long the
+    # traffic takes to bring them (a fixed 40 s or 60 s window once ended inconclusive on a
+    # loaded 2-core machine); the 600 s --duration only bounds a canary that sees none.
+    proc = _canary(uri, "smol", port, _policy(tmp_path), "600s", f"--until-samples={UNTIL}")
     _wait_ready(f"http://127.0.0.1:{port}", proc)
     with Traffic(f"http://127.0.0.1:{port}") as traffic:
-        out, err = proc.communicate(timeout=600)
+        out, err = proc.communicate(timeout=700)
     assert proc.returncode == 0, (out[-2000:], err[-2000:])
     assert f"smol: promoted version {v}" in out, out
+    assert f"every rule had {UNTIL} observations before the 600 s window ended" in out, out
     traffic.assert_served_until_shutdown()
     print(out)
     sides = {s for _, _, s in traffic.sides}
@@ -210,6 +216,7 @@ def test_healthy_candidate_is_promoted(registry, w8a16_artifact, tmp_path):
     tags = client.get_model_version("smol", str(v)).tags
     assert tags["quantpipe.canary.decision"] == "promoted"
     metrics = json.loads(tags["quantpipe.canary.metrics"])["metrics"]
+    assert metrics["mirrored"] >= UNTIL and metrics["candidate_requests"] >= UNTIL, metrics
     # Identical weights on both sides, float32: mirrored greedy completions agree (a rare
     # near-tie may flip one token when the two sides batch it with different requests).
     assert metrics["greedy_agreement"] >= 0.9 and metrics["error_rate"] == 0.0
@@ -280,3 +287,20 @@ def test_canary_refuses_bad_input(registry):
 
     with pytest.raises(StageError, match="'nosuch' has no alias 'champion'"):
         run_canary("nosuch", uri, 0.1, 10)
+    with pytest.raises(StageError, match=r"--until-samples must be an integer >= the policy's min_samples \(8, "):
+        run_canary("smol", uri, 0.1, 10, until_samples=7)  # the default policy's min_samples is 8
+
+
+def test_observations_per_rule_end_the_window_only_when_every_rule_has_enough():
+    rules = [Rule("greedy_agreement", "point", ">=", 0.5), Rule("ttft_p99_ratio", "point", "<=", 1.5)]
+    canary = Canary({"champion": "http://x", "candidate": "http://y"}, 0.5, CanaryPolicy(rules, 2, "t", "t"))
+    champion, candidate = canary.stats["champion"], canary.stats["candidate"]
+    canary.agreement = [1.0, 0.0, 1.0]
+    candidate.ttft, champion.ttft = [0.1, 0.2, 0.3], [0.1]
+    candidate.requests = 3
+    counts = canary.observations()
+    assert counts["greedy_agreement"] == 3 and counts["ttft_p99_ratio"] == 1 and counts["error_rate"] == 3
+    assert canary.metrics()["ttft_p99_ratio"] is None and canary.metrics()["greedy_agreement"] == pytest.approx(2 / 3)
+    assert not canary.observed(2)  # the champion's latency has 1 observation
+    champion.ttft.append(0.2)
+    assert canary.observed(2) and not canary.observed(3) and canary.metrics()["ttft_p99_ratio"] is not None
