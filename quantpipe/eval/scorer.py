@@ -6,9 +6,11 @@ compares the candidate's next-token distribution with the baseline's:
 - KL(baseline || candidate) per token: mean and P99,
 - top-1 agreement, and the share of tokens whose baseline top-1 is outside the candidate's top-5.
 
-Scoring is batch-invariant: float32, one text per forward call (fixed shapes), so the same
-text always gets the same numbers whatever else is scored; a test checks that the baseline
-against itself gives KL 0 and agreement 100% under any order.
+Scoring is batch-invariant: float32, whose rows do not depend on the rows beside them, so
+the same text always gets the same numbers whatever else is scored, alone or beside other
+texts in one pass; tests check that the baseline against itself gives KL 0 and agreement
+100% under any order, and that texts scored together get the numbers one text per call
+gives.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import numpy as np
 import torch
 
 from quantpipe.runtime.model.divergence import chunk_rows, exp_parts, kl_from_parts
-from quantpipe.runtime.model.forward import sequence_logits
+from quantpipe.runtime.model.forward import final_hidden, head_logits, runs
+
+MAX_ROWS = 2048  # tokens of consecutive texts that go through the layers together
 
 
 @dataclass
@@ -99,24 +103,30 @@ def token_stats(base_logits: torch.Tensor, cand_logits: torch.Tensor, ids: list[
 
 
 def score_many(baseline, candidates: list, tokenizer, texts: list[str], strata: list[str] | None = None,
-               max_tokens: int = 512) -> list[QualityScores]:
+               max_tokens: int = 512, max_rows: int = MAX_ROWS) -> list[QualityScores]:
     """Score every candidate on `texts` (each cut to `max_tokens`); all models float32.
 
-    The baseline runs once per text and its logits serve every candidate, then are
-    dropped: memory stays at one text's logits per model, however many texts there are.
+    Consecutive texts of up to `max_rows` tokens in all go through each model's layers
+    together (`final_hidden`), then each text's logits are computed and scored alone: the
+    baseline's serve every candidate and are dropped, so memory holds one text's logits per
+    model and the run's hidden states, however many texts there are. The numbers are the
+    ones one text per call gives (`max_rows=1`), to the bit.
     """
     outs = [QualityScores() for _ in candidates]
-    for i, text in enumerate(texts):
-        ids = tokenizer.encode(text)[:max_tokens]
-        if len(ids) < 2:
-            continue
-        with torch.inference_mode():
-            base_logits = sequence_logits(baseline, ids)[:-1]
-            cand_logits = [base_logits if model is baseline else sequence_logits(model, ids)[:-1]
-                           for model in candidates]
-        for out, stats in zip(outs, token_stats_many(base_logits, cand_logits, ids)):
-            out.texts.append(stats)
-            out.strata.append(strata[i] if strata else "all")
+    encoded = [(i, ids) for i, text in enumerate(texts) if len(ids := tokenizer.encode(text)[:max_tokens]) >= 2]
+    for run in runs([len(ids) for _, ids in encoded], max_rows):
+        chunk = encoded[run]
+        seqs = [ids for _, ids in chunk]
+        base_states = final_hidden(baseline, seqs)
+        cand_states = [base_states if model is baseline else final_hidden(model, seqs) for model in candidates]
+        for k, (i, ids) in enumerate(chunk):
+            with torch.inference_mode():
+                base_logits = head_logits(baseline, base_states[k])[:-1]
+                cand_logits = [base_logits if model is baseline else head_logits(model, states[k])[:-1]
+                               for model, states in zip(candidates, cand_states)]
+            for out, stats in zip(outs, token_stats_many(base_logits, cand_logits, ids)):
+                out.texts.append(stats)
+                out.strata.append(strata[i] if strata else "all")
     return outs
 
 

@@ -27,7 +27,7 @@ import torch
 from quantpipe.manifest import sha256_bytes
 from quantpipe.quantize.rtn import WeightScheme, dequantize, rtn
 from quantpipe.runtime.model.divergence import kl_rows
-from quantpipe.runtime.model.forward import SequenceBatch, SequencePass
+from quantpipe.runtime.model.forward import SequenceBatch, SequencePass, head_logits, runs
 
 KEEP = None  # "stay in the model dtype"
 LOGITS_BYTES = 256 * 2**20  # the most float32 logits `sensitivities` holds at once
@@ -93,23 +93,12 @@ def sensitivities(model, names: list[str], schemes: list[WeightScheme], samples:
                 else:
                     after.append((sch.describe(), s, p.layer(start, states[start])))
         mod.weight.copy_(original)
-        for run in _runs([h.shape[0] for _, _, h in after], max_rows):
+        for run in runs([h.shape[0] for _, _, h in after], max_rows):
             chunk = after[run]
             for (d, s, _), logits in zip(chunk, _rest_logits(model, start + 1, samples, chunk)):
                 kl[d] += float(kl_rows(ref[s], logits).mean())
         out[name] = {d: v / len(samples) for d, v in kl.items()}
     return out
-
-
-def _runs(lengths: list[int], limit: int) -> list[slice]:
-    """Consecutive runs of `lengths`, in order, each summing to at most `limit` (a longer one alone)."""
-    runs, first, total = [], 0, 0
-    for i, n in enumerate(lengths):
-        if i > first and total + n > limit:
-            runs.append(slice(first, i))
-            first, total = i, 0
-        total += n
-    return runs + [slice(first, len(lengths))] if lengths else runs
 
 
 def _rest_logits(model, first: int, samples: list[list[int]], chunk: list[tuple]):
@@ -123,8 +112,8 @@ def _rest_logits(model, first: int, samples: list[list[int]], chunk: list[tuple]
     lengths = [h.shape[0] for _, _, h in chunk]
     parts = x.split(lengths)
     fit = max(1, LOGITS_BYTES // (4 * model.lm_head.weight.shape[0]))  # rows of float32 logits
-    for run in _runs(lengths, fit):
-        yield from model.lm_head(model.norm(torch.cat(parts[run]))).float().split(lengths[run])
+    for run in runs(lengths, fit):
+        yield from head_logits(model, torch.cat(parts[run])).split(lengths[run])
 
 
 def measure_key(source_sha256: str, probe: list[list[int]], schemes: list[WeightScheme]) -> dict:

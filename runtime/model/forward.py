@@ -41,7 +41,23 @@ class SequencePass:
         return self.model.layers[i](x, self.rope, kv, self.meta)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.norm(x)).float()
+        return head_logits(self.model, x)
+
+
+def head_logits(model: LlamaForCausalLM, x: torch.Tensor) -> torch.Tensor:
+    """float32 logits of the last layer's hidden states x [T, hidden]."""
+    return model.lm_head(model.norm(x)).float()
+
+
+def runs(lengths: list[int], limit: int) -> list[slice]:
+    """Consecutive runs of `lengths`, in order, each summing to at most `limit` (a longer one alone)."""
+    out, first, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > first and total + n > limit:
+            out.append(slice(first, i))
+            first, total = i, 0
+        total += n
+    return out + [slice(first, len(lengths))] if lengths else out
 
 
 class SequenceBatch:
@@ -66,6 +82,21 @@ class SequenceBatch:
         """Layer i (or `module`, a copy of it) on x [tokens, hidden], the sequences' rows in order."""
         kv = layer_cache(self.model, i, self.tokens, x.device, self.dtype)
         return (module or self.model.layers[i])(x, self.rope, kv, self.meta)
+
+
+@torch.inference_mode()
+def final_hidden(model: LlamaForCausalLM, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """The last layer's hidden states [len(seq), hidden] of each sequence, all of them through
+    one call per layer (`SequenceBatch`). float32 rows do not depend on the rows beside them,
+    so each sequence's states are the ones `sequence_logits` computes alone, to the bit
+    (tests/evals/test_scorer.py checks it on the default model); the larger products run
+    faster than one sequence at a time."""
+    batch = SequenceBatch(model, seqs)
+    x = model.embed(torch.tensor([t for s in seqs for t in s], dtype=torch.long,
+                                 device=next(model.parameters()).device))
+    for i in range(len(model.layers)):
+        x = batch.layer(i, x)
+    return list(x.split([len(s) for s in seqs]))
 
 
 @torch.inference_mode()

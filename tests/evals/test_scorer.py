@@ -146,3 +146,25 @@ def test_perplexity_is_hf_transformers_loss_on_the_same_tokens(tmp_path):
             counts.append(ids.shape[1] - 1)
     want = math.exp(sum(loss * n for loss, n in zip(losses, counts)) / sum(counts))
     assert abs(result.summary()["ppl_baseline"] / want - 1) < 1e-4
+
+
+def test_texts_scored_together_get_the_numbers_of_one_text_per_call(sample_set, w8a16_artifact):
+    """The default model and its W8A16 artifact (the packed int8 kernel) in float32, on
+    held-out texts of up to 256 tokens: consecutive texts share each layer's call (up to
+    `max_rows` tokens), and every per-token number equals the one-text-per-call pass."""
+    import json
+    from pathlib import Path
+
+    base, _, tok = load_model(None, torch.float32)
+    cand, _, _ = load_model(w8a16_artifact, torch.float32)
+    rows = [json.loads(line) for line in (Path(sample_set) / "heldout.jsonl").read_text().splitlines()][:10]
+    texts = [r["text"] for r in rows]
+    alone = score_many(base, [cand, base], tok, texts, max_tokens=256, max_rows=1)
+    together = score_many(base, [cand, base], tok, texts, max_tokens=256)
+    assert sum(len(t.kl) for t in together[0].texts) > 1024  # more than one text per call
+    for a, b in zip(alone, together):
+        assert len(a.texts) == len(b.texts) == len(texts)
+        for x, y in zip(a.texts, b.texts):
+            for k in ("nll_base", "nll_cand", "kl", "agree", "top5_miss"):
+                assert np.array_equal(getattr(x, k), getattr(y, k)), k
+    assert together[0].summary()["kl_mean"] > 0 and together[1].summary()["kl_mean"] == 0
