@@ -1,10 +1,12 @@
-"""One whole sequence through the runtime's own model code, outside the engine.
+"""Whole sequences through the runtime's own model code, outside the engine.
 
 Calibration (GPTQ, AWQ, sensitivity) and teacher-forced scoring need every position's
-hidden states or logits for a single text. They reuse the engine's model and attention
-unchanged: a scratch KV cache of the sequence's length and one prefill span, so the
-numbers are exactly the ones serving computes, and one sequence per call keeps them
-independent of whatever else is scored (no batch-composition effects).
+hidden states or logits for a text. They reuse the engine's model and attention
+unchanged: a scratch KV cache of the sequence's length and one prefill span per sequence,
+so the numbers are exactly the ones serving computes. Several sequences may share a call
+(`SequenceBatch`, `final_hidden`), each its own causal span: in float32 a row does not
+depend on the rows beside it, so a text gets the same numbers alone or beside others (the
+scorer's and the sensitivity table's tests check it against one sequence per call).
 """
 
 from __future__ import annotations
