@@ -3,7 +3,7 @@
 Tasks are BIG-bench `task.json` files (see evals/mc/README.md), read by
 `quantpipe.formats.bigbench`: the prompt built the way BIG-bench does and each choice the
 continuation " " + choice. Both models see the same token ids, scored in float32 one
-sequence per forward call (batch-invariant, like the perplexity scorer).
+item per forward call (batch-invariant, as the perplexity scorer is).
 
 The eval's multiple-choice section runs these items through lm-evaluation-harness (the
 task files in evals/lm_eval_tasks/, `lm_eval_suite.score_mc`), whose quantpipe model scores
