@@ -106,10 +106,8 @@ def _rest_logits(model, first: int, samples: list[list[int]], chunk: list[tuple]
     layer for the whole chunk, and lm_head over as many whole sequences as fit in
     `LOGITS_BYTES` (one sequence at least)."""
     batch = SequenceBatch(model, [samples[s] for _, s, _ in chunk])
-    x = torch.cat([x for _, _, x in chunk])
-    for i in range(first, len(model.layers)):
-        x = batch.layer(i, x)
-    lengths = [h.shape[0] for _, _, h in chunk]
+    x = batch.layers(torch.cat([x for _, _, x in chunk]), first)
+    lengths = batch.lengths
     parts = x.split(lengths)
     fit = max(1, LOGITS_BYTES // (4 * model.lm_head.weight.shape[0]))  # rows of float32 logits
     for run in runs(lengths, fit):

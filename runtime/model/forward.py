@@ -74,7 +74,8 @@ class SequenceBatch:
         self.dtype = dtype or model.embed_tokens.weight.dtype
         lengths = [len(s) for s in seqs]
         starts = [sum(lengths[:j]) for j in range(len(seqs))]
-        self.tokens = sum(lengths)
+        self.tokens, self.lengths = sum(lengths), lengths
+        self.ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=p.device)
         self.meta = AttentionMetadata(slot_mapping=torch.arange(self.tokens, device=p.device), block_size=1,
                                       prefills=[PrefillSpan(a, n, n, None) for a, n in zip(starts, lengths)])
         positions = torch.cat([torch.arange(n, device=p.device) for n in lengths])
@@ -85,6 +86,15 @@ class SequenceBatch:
         kv = layer_cache(self.model, i, self.tokens, x.device, self.dtype)
         return (module or self.model.layers[i])(x, self.rope, kv, self.meta)
 
+    def embed(self) -> torch.Tensor:
+        return self.model.embed(self.ids)
+
+    def layers(self, x: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Layers first.. of the model on x [tokens, hidden] (x enters layer `first`)."""
+        for i in range(first, len(self.model.layers)):
+            x = self.layer(i, x)
+        return x
+
 
 @torch.inference_mode()
 def final_hidden(model: LlamaForCausalLM, seqs: list[list[int]]) -> list[torch.Tensor]:
@@ -94,11 +104,7 @@ def final_hidden(model: LlamaForCausalLM, seqs: list[list[int]]) -> list[torch.T
     (tests/evals/test_scorer.py checks it on the default model); the larger products run
     faster than one sequence at a time."""
     batch = SequenceBatch(model, seqs)
-    x = model.embed(torch.tensor([t for s in seqs for t in s], dtype=torch.long,
-                                 device=next(model.parameters()).device))
-    for i in range(len(model.layers)):
-        x = batch.layer(i, x)
-    return list(x.split([len(s) for s in seqs]))
+    return list(batch.layers(batch.embed()).split(batch.lengths))
 
 
 @torch.inference_mode()
